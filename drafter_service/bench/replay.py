@@ -1,0 +1,134 @@
+"""Replay completed requests through drafters as a live service would, and measure acceptance and latency."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from drafter_service.bench.datasets import Request
+from drafter_service.bench.protocol import ReplayDrafter
+from drafter_service.config import DrafterConfig
+from drafter_service.drafter import Drafter
+from drafter_service.tree import DraftTree, accept_greedy
+
+logger = logging.getLogger(__name__)
+
+
+class CoreDrafter:
+    """drafter's own core behind the replay protocol; index rebuilds run between requests, untimed,
+    as the service's background job runs them between draft calls."""
+
+    def __init__(self, config: DrafterConfig | None = None, name: str = "drafter") -> None:
+        self.name = name
+        self.core = Drafter(config)
+
+    def start(self, request_id: str, prompt: Sequence[int]) -> None:
+        self.core.start(request_id, prompt)
+
+    def extend(self, request_id: str, tokens: Sequence[int]) -> None:
+        self.core.extend(request_id, tokens)
+
+    def propose(self, request_id: str, max_nodes: int) -> DraftTree:
+        return self.core.propose(request_id, max_nodes)
+
+    def end(self, request_id: str) -> None:
+        self.core.end(request_id)
+        self.core.rebuild()
+
+
+@dataclass
+class ReplayResult:
+    """Acceptance and cost of one drafter on one data set.
+
+    Attributes:
+        mat: mean accepted length, tokens emitted per verification step (the target's own token included).
+        hit_rate: share of steps that accepted at least one draft token.
+        mean_nodes: nodes drafted per step.
+        p50_us, p99_us: latency of one draft (correction + proposal) in microseconds.
+    """
+
+    drafter: str
+    dataset: str
+    budget: int
+    requests: int = 0
+    steps: int = 0
+    emitted: int = 0
+    hits: int = 0
+    nodes: int = 0
+    latencies_ns: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def mat(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.steps if self.steps else 0.0
+
+    @property
+    def mean_nodes(self) -> float:
+        return self.nodes / self.steps if self.steps else 0.0
+
+    def percentile_us(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ns, q)) / 1e3 if self.latencies_ns else 0.0
+
+    @property
+    def p50_us(self) -> float:
+        return self.percentile_us(50)
+
+    @property
+    def p99_us(self) -> float:
+        return self.percentile_us(99)
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        """Summary figures (no per-step data)."""
+        return {"drafter": self.drafter, "dataset": self.dataset, "budget": self.budget,
+                "requests": self.requests, "steps": self.steps, "mat": round(self.mat, 4),
+                "hit_rate": round(self.hit_rate, 4), "mean_nodes": round(self.mean_nodes, 2),
+                "p50_us": round(self.p50_us, 1), "p99_us": round(self.p99_us, 1)}
+
+
+def replay(drafter: ReplayDrafter, requests: Sequence[Request], budget: int, dataset: str = "",
+           progress: Callable[[int], None] | None = None) -> ReplayResult:
+    """Process requests in order: draft, accept the longest matching branch, advance, repeat; then end.
+
+    Each step drafts with at most ``budget`` nodes, accepts the longest branch prefix that equals the
+    recorded output (greedy verification), and advances by the accepted tokens plus the target's own
+    next token. Latency covers ``extend`` (the correction with the previous step's tokens) and
+    ``propose``.
+    """
+    result = ReplayResult(drafter.name, dataset, budget)
+    clock = time.perf_counter_ns
+    for done, req in enumerate(requests):
+        rid = req.request_id or f"r{done}"
+        drafter.start(rid, req.prompt.tolist())
+        out = req.output.tolist()
+        pos = 0
+        pending: list[int] = []
+        while pos < len(out):
+            t0 = clock()
+            if pending:
+                drafter.extend(rid, pending)
+            tree = drafter.propose(rid, budget)
+            result.latencies_ns.append(clock() - t0)
+            if len(tree) > budget:
+                raise AssertionError(f"{drafter.name} drafted {len(tree)} nodes over the budget {budget}")
+            accepted, _ = accept_greedy(tree, out[pos:])
+            advance = min(accepted + 1, len(out) - pos)
+            result.steps += 1
+            result.emitted += advance
+            result.hits += accepted > 0
+            result.nodes += len(tree)
+            pending = out[pos:pos + advance]
+            pos += advance
+        if pending:
+            drafter.extend(rid, pending)
+        drafter.end(rid)
+        result.requests += 1
+        if progress is not None:
+            progress(done + 1)
+    return result

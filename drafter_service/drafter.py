@@ -1,0 +1,183 @@
+"""The drafting core of one namespace: store, n-gram tables, acceptance model and live sessions."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from drafter_service.acceptance import AcceptanceModel
+from drafter_service.config import DrafterConfig
+from drafter_service.errors import AlreadyExists, InvalidArgument, NotFound
+from drafter_service.session import DraftSession
+from drafter_service.tree import EMPTY_TREE, DraftTree
+from drafter_service.tree_builder import BuildLimits, RowsSource, TableSource, build_tree
+from store.ngram_table import FrozenNGramTable, LRUNGramTable
+from store.token_store import TokenStore
+
+logger = logging.getLogger(__name__)
+
+
+class _LockedTable:
+    """An n-gram table whose queries take the drafter's table lock (queries reorder leaders)."""
+
+    def __init__(self, table: LRUNGramTable, lock: threading.Lock) -> None:
+        self.table = table
+        self.leader_len = table.leader_len
+        self._lock = lock
+
+    def query(self, leader: Sequence[int], limit: int | None = None) -> list[tuple[tuple[int, ...], int]]:
+        with self._lock:
+            return self.table.query(leader, limit)
+
+
+class Drafter:
+    """Drafts trees for sessions from every source and learns from each completed request.
+
+    Lifecycle of a request: ``start`` (prompt) -> (``propose`` -> ``extend``)* -> ``end``. ``ingest``
+    adds a completed request without a session. ``rebuild`` refreshes the suffix index and is meant to
+    run off the request path.
+    """
+
+    def __init__(self, config: DrafterConfig | None = None) -> None:
+        self.config = config or DrafterConfig()
+        cfg = self.config
+        self.store = TokenStore(cfg.capacity, tail_tokens=cfg.tail_tokens)
+        self.dynamic = LRUNGramTable(cfg.leader_len, cfg.follower_len, cfg.leader_capacity, cfg.follower_capacity)
+        self.frozen: dict[str, FrozenNGramTable] = {}
+        self.model = AcceptanceModel()
+        self.sessions: dict[str, DraftSession] = {}
+        self._table_lock = threading.Lock()
+        self._sessions_lock = threading.Lock()
+
+    # -- validation ------------------------------------------------------------------------------------
+
+    def tokens(self, values: Sequence[int] | np.ndarray, what: str, allow_empty: bool = True) -> np.ndarray:
+        """Validate token ids against the vocabulary and return them as int32.
+
+        Raises:
+            InvalidArgument: on ids outside [0, vocab_size) or an empty array when not allowed.
+        """
+        arr = np.asarray(values, dtype=np.int64).ravel()
+        if not allow_empty and arr.size == 0:
+            raise InvalidArgument(f"{what} is empty")
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise InvalidArgument(f"{what} holds token id {bad} outside [0, {self.config.vocab_size})")
+        return arr.astype(np.int32)
+
+    def session(self, session_id: str) -> DraftSession:
+        """The live session ``session_id``.
+
+        Raises:
+            NotFound: when there is none.
+        """
+        found = self.sessions.get(session_id)
+        if found is None:
+            raise NotFound(f"unknown session {session_id!r}")
+        return found
+
+    # -- session lifecycle -----------------------------------------------------------------------------
+
+    def start(self, session_id: str, prompt: Sequence[int] | np.ndarray, max_nodes: int = 0) -> DraftSession:
+        """Open a session for a request; its prompt also teaches the dynamic table.
+
+        Raises:
+            AlreadyExists: when ``session_id`` is live.
+            InvalidArgument: on bad token ids or budget.
+        """
+        ids = self.tokens(prompt, "prompt")
+        if max_nodes < 0:
+            raise InvalidArgument(f"max_nodes must be >= 0, got {max_nodes}")
+        with self._sessions_lock:
+            if session_id in self.sessions:
+                raise AlreadyExists(f"session {session_id!r} already exists")
+            sess = DraftSession(self, session_id, ids, max_nodes or self.config.max_nodes)
+            self.sessions[session_id] = sess
+        if self.config.use_dynamic:
+            with self._table_lock:
+                self.dynamic.update(ids.tolist())
+        return sess
+
+    def extend(self, session_id: str, accepted: Sequence[int] | np.ndarray) -> int:
+        """Append the tokens the target accepted since the last call; returns draft tokens confirmed."""
+        sess = self.session(session_id)
+        ids = self.tokens(accepted, "accepted")
+        before = len(sess)
+        hit = sess.extend(ids)
+        if self.config.use_dynamic and ids.size:
+            with self._table_lock:
+                self.dynamic.update(sess.tokens[max(0, before - 8):].tolist(), new_from=min(before, 8))
+        return hit
+
+    def propose(self, session_id: str, max_nodes: int = 0) -> DraftTree:
+        """Draft a tree for the session's current sequence (an empty tree when nothing is known)."""
+        if max_nodes < 0:
+            raise InvalidArgument(f"max_nodes must be >= 0, got {max_nodes}")
+        sess = self.session(session_id)
+        cfg = self.config
+        budget = sess.budget(max_nodes)
+        tokens = sess.tokens
+        if budget == 0 or tokens.size == 0:
+            return EMPTY_TREE
+        rows: list[RowsSource] = []
+        if cfg.use_session:
+            found = sess.lookup(cfg.max_match, cfg.max_occurrences, cfg.max_depth)
+            if found.match_len:
+                rows.append(RowsSource("session", found.match_len, found.rows.tolist()))
+        if cfg.use_store:
+            found = self.store.lookup(tokens, cfg.max_match, cfg.max_occurrences, cfg.max_depth)
+            if found.match_len:
+                rows.append(RowsSource("store", found.match_len, found.rows.tolist()))
+        tables: list[TableSource] = []
+        if cfg.use_dynamic:
+            tables.append(TableSource("dynamic", _LockedTable(self.dynamic, self._table_lock), cfg.table_branch, 0.3))
+        if cfg.use_frozen:
+            tables.extend(TableSource(f"frozen", t, cfg.table_branch, 0.15) for t in self.frozen.values())
+        limits = BuildLimits(budget, cfg.max_depth, cfg.min_prob)
+        tree, evidence = build_tree(tokens[-cfg.leader_len:].tolist(), rows, tables, self.model, limits)
+        sess.remember(tree, evidence)
+        return tree
+
+    def end(self, session_id: str, accepted: Sequence[int] | np.ndarray = ()) -> DraftSession:
+        """Close a session, appending its final tokens, and ingest prompt + output into the store."""
+        sess = self.session(session_id)
+        if len(accepted):
+            self.extend(session_id, accepted)
+        with self._sessions_lock:
+            self.sessions.pop(session_id, None)
+        self.store.append(sess.tokens)
+        return sess
+
+    def ingest(self, prompt: Sequence[int] | np.ndarray, output: Sequence[int] | np.ndarray) -> None:
+        """Add a completed request that had no session (from an engine or a log)."""
+        p = self.tokens(prompt, "prompt")
+        o = self.tokens(output, "output")
+        doc = np.concatenate([p, o])
+        if doc.size == 0:
+            raise InvalidArgument("request has no tokens")
+        if self.config.use_dynamic:
+            with self._table_lock:
+                self.dynamic.update(doc.tolist())
+        self.store.append(doc)
+
+    def add_frozen(self, name: str, table: FrozenNGramTable) -> None:
+        """Install (or replace) a frozen table under ``name``."""
+        if table.leader_len != self.config.leader_len:
+            raise InvalidArgument(f"frozen table {name!r} has leaders of {table.leader_len} tokens, "
+                                  f"expected {self.config.leader_len}")
+        self.frozen = {**self.frozen, name: table}
+
+    def rebuild(self) -> str | None:
+        """Rebuild whichever suffix index is due (see ``TokenStore.rebuild``)."""
+        return self.store.rebuild()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the store or the tables are inconsistent."""
+        self.store.check_invariants()
+        with self._table_lock:
+            self.dynamic.check_invariants()

@@ -1,0 +1,133 @@
+"""One request being generated: its tokens, its last draft, and the correction step after verification."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from drafter_service.tree import EMPTY_TREE, DraftTree
+from drafter_service.tree_builder import Evidence
+from store.match_kernels import continuations, scan_matches
+from store.token_store import EMPTY, Continuations
+
+if TYPE_CHECKING:
+    from drafter_service.drafter import Drafter
+
+
+class DraftSession:
+    """State of one request: prompt plus everything accepted so far, searched for prompt lookup.
+
+    Created by ``Drafter.start``; ``extend`` appends what the target accepted and learns from how the last
+    draft fared; ``propose`` drafts the next tree.
+    """
+
+    def __init__(self, drafter: "Drafter", session_id: str, prompt: np.ndarray, max_nodes: int) -> None:
+        self.drafter = drafter
+        self.session_id = session_id
+        self.prompt_len = int(prompt.size)
+        self._tokens = np.full(max(64, 2 * prompt.size), -1, dtype=np.int32)  # (capacity,) prompt + output
+        self._tokens[:prompt.size] = prompt
+        self._len = int(prompt.size)
+        self.max_nodes = int(max_nodes)
+        self._last_tree: DraftTree = EMPTY_TREE
+        self._last_evidence: list[list[Evidence]] = []
+        self._ema_accepted = 1.0  # accepted draft tokens per step, exponentially averaged
+        self.steps = 0
+        self.drafted = 0
+        self.accepted = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """(n,) int32 the prompt and every token appended since (read-only view)."""
+        v = self._tokens[:self._len]
+        v.flags.writeable = False
+        return v
+
+    @property
+    def output(self) -> np.ndarray:
+        """(n - prompt_len,) int32 the tokens appended after the prompt."""
+        return self._tokens[self.prompt_len:self._len].copy()
+
+    def append(self, tokens: np.ndarray) -> None:
+        """Append tokens to the sequence (no learning; ``extend`` is the verified path)."""
+        need = self._len + tokens.size
+        if need > self._tokens.size:
+            grown = np.full(max(need, 2 * self._tokens.size), -1, dtype=np.int32)
+            grown[:self._len] = self._tokens[:self._len]
+            self._tokens = grown
+        self._tokens[self._len:need] = tokens
+        self._len = need
+
+    def extend(self, accepted: np.ndarray) -> int:
+        """Correction step: learn which nodes of the last draft were accepted, then append ``accepted``.
+
+        Args:
+            accepted: (k,) int32 tokens appended to the sequence since the last call (accepted draft
+                tokens and the target's own token).
+
+        Returns:
+            Draft tokens of the last tree that ``accepted`` confirmed.
+        """
+        hit = self._score_last_draft(accepted)
+        self.append(accepted)
+        return hit
+
+    def _score_last_draft(self, accepted: np.ndarray) -> int:
+        tree, evidence = self._last_tree, self._last_evidence
+        self._last_tree, self._last_evidence = EMPTY_TREE, []
+        if not len(tree):
+            return 0
+        kids = tree.children()
+        outcomes = []
+        node, n_acc = -1, 0
+        acc = accepted.tolist()
+        while True:
+            level = kids.get(node)
+            if not level:
+                break
+            nxt = level.get(acc[n_acc]) if n_acc < len(acc) else None
+            if n_acc < len(acc):  # the children of an accepted node were all tested against one token
+                for tok, child in level.items():
+                    for key, prior in evidence[child]:
+                        outcomes.append((key, prior, child == nxt))
+            if nxt is None:
+                break
+            node, n_acc = nxt, n_acc + 1
+        self.drafter.model.record(outcomes)
+        self.steps += 1
+        self.drafted += len(tree)
+        self.accepted += n_acc
+        self._ema_accepted += 0.25 * (n_acc - self._ema_accepted)
+        return n_acc
+
+    def budget(self, max_nodes: int = 0) -> int:
+        """Node budget for the next draft: the request's, shrunk while recent drafts were rarely accepted."""
+        cfg = self.drafter.config
+        limit = max_nodes or self.max_nodes
+        if not cfg.adaptive_budget:
+            return limit
+        wanted = math.ceil(cfg.min_nodes * (1.0 + 2.0 * self._ema_accepted))
+        return max(min(cfg.min_nodes, limit), min(limit, wanted))
+
+    def lookup(self, max_match: int, max_occurrences: int, depth: int) -> Continuations:
+        """Prompt lookup: what followed earlier occurrences of the sequence's end inside this request."""
+        n = self._len
+        if n < 2:
+            return EMPTY
+        ctx_rev = self._tokens[max(0, n - max_match):n][::-1].astype(np.int64)
+        m, counts, ends = scan_matches(self._tokens, 0, n - 1, ctx_rev, ctx_rev.size, 0)
+        if m == 0:
+            return EMPTY
+        if ends.size > max_occurrences:
+            ends = ends[-max_occurrences:]
+        ends = ends[::-1]
+        return Continuations(m, counts, continuations(self._tokens, ends + 1, depth, n))
+
+    def remember(self, tree: DraftTree, evidence: list[list[Evidence]]) -> None:
+        """Keep the draft just served so the next ``extend`` can score it."""
+        self._last_tree, self._last_evidence = tree, evidence

@@ -1,0 +1,130 @@
+"""The draft tree every drafter returns: flat arrays of tokens, parent links and acceptance estimates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A tree of draft tokens rooted at the last token of the sequence.
+
+    Attributes:
+        token_ids: (n,) token of each node.
+        parents: (n,) index of each node's parent, or -1 when the parent is the last context token;
+            ``parents[i] < i``.
+        probs: (n,) estimated probability that each node is accepted (its whole path matches the
+            target), in (0, 1]; a child's estimate never exceeds its parent's.
+        score: expected number of accepted draft tokens (the sum of ``probs``).
+        sources: (n,) short name of the source that proposed each node (for statistics only).
+    """
+
+    token_ids: tuple[int, ...] = ()
+    parents: tuple[int, ...] = ()
+    probs: tuple[float, ...] = ()
+    score: float = 0.0
+    sources: tuple[str, ...] = field(default=(), compare=False)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def depth(self) -> int:
+        """Length of the longest root-to-leaf path."""
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return max(depths, default=0)
+
+    def children(self) -> dict[int, dict[int, int]]:
+        """Map parent index (-1 for the root) to {token: child index}."""
+        out: dict[int, dict[int, int]] = {}
+        for i, (tok, p) in enumerate(zip(self.token_ids, self.parents)):
+            out.setdefault(p, {})[tok] = i
+        return out
+
+    def path(self, node: int) -> list[int]:
+        """Tokens from the root down to ``node`` inclusive."""
+        toks: list[int] = []
+        while node >= 0:
+            toks.append(self.token_ids[node])
+            node = self.parents[node]
+        return toks[::-1]
+
+    def subtree(self, node: int) -> "DraftTree":
+        """The part of the tree strictly below ``node``, re-rooted there (probabilities rescaled)."""
+        keep: dict[int, int] = {node: -1}
+        toks: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        srcs: list[str] = []
+        base = self.probs[node] if node >= 0 else 1.0
+        for i in range(node + 1, len(self.token_ids)):
+            p = self.parents[i]
+            if p in keep:
+                keep[i] = len(toks)
+                toks.append(self.token_ids[i])
+                parents.append(keep[p])
+                probs.append(min(1.0, self.probs[i] / base) if base > 0 else self.probs[i])
+                if self.sources:
+                    srcs.append(self.sources[i])
+        return DraftTree(tuple(toks), tuple(parents), tuple(probs), float(sum(probs)), tuple(srcs))
+
+    def check_invariants(self, max_nodes: int | None = None, max_depth: int | None = None) -> None:
+        """Raise AssertionError when the tree is malformed.
+
+        Checks: equal lengths, ``-1 <= parents[i] < i``, no two siblings with the same token,
+        probabilities in (0, 1] and non-increasing along every path, score equal to their sum,
+        and the optional node and depth budgets.
+        """
+        n = len(self.token_ids)
+        assert len(self.parents) == n and len(self.probs) == n, "array lengths differ"
+        assert not self.sources or len(self.sources) == n, "sources length differs"
+        seen: set[tuple[int, int]] = set()
+        for i, (tok, p) in enumerate(zip(self.token_ids, self.parents)):
+            assert -1 <= p < i, f"node {i} has parent {p}"
+            assert tok >= 0, f"node {i} has negative token {tok}"
+            assert (p, tok) not in seen, f"duplicate sibling token {tok} under {p}"
+            seen.add((p, tok))
+            assert 0.0 < self.probs[i] <= 1.0, f"node {i} has probability {self.probs[i]}"
+            if p >= 0:
+                assert self.probs[i] <= self.probs[p] + 1e-9, f"node {i} more likely than its parent"
+        assert abs(self.score - sum(self.probs)) <= 1e-6 * max(1, n), "score is not the sum of probs"
+        if max_nodes is not None:
+            assert n <= max_nodes, f"{n} nodes exceed the budget {max_nodes}"
+        if max_depth is not None:
+            assert self.depth <= max_depth, f"depth {self.depth} exceeds {max_depth}"
+
+
+EMPTY_TREE = DraftTree()
+
+
+def accept_greedy(tree: DraftTree, continuation: Sequence[int]) -> tuple[int, int]:
+    """Greedy verification against a known continuation.
+
+    Args:
+        tree: the draft.
+        continuation: the tokens the target produces next.
+
+    Returns:
+        (number of accepted draft tokens, index of the last accepted node or -1).
+    """
+    kids = tree.children()
+    node = -1
+    n = 0
+    while n < len(continuation):
+        nxt = kids.get(node, {}).get(continuation[n])
+        if nxt is None:
+            break
+        node = nxt
+        n += 1
+    return n, node
+
+
+def chain(tokens: Sequence[int], probs: Sequence[float] | None = None, source: str = "") -> DraftTree:
+    """A single-branch tree (each token the child of the previous one)."""
+    n = len(tokens)
+    ps = tuple(probs) if probs is not None else (1.0,) * n
+    return DraftTree(tuple(int(t) for t in tokens), tuple(range(-1, n - 1)), ps, float(sum(ps)),
+                     (source,) * n if source else ())

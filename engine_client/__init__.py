@@ -1,0 +1,1 @@
+"""What an inference engine imports to use drafter."""

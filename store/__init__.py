@@ -1,0 +1,1 @@
+"""Token store: ring buffer, suffix index, n-gram tables and their persistence."""

@@ -1,0 +1,199 @@
+"""Cacheback n-gram tables: leader tokens -> recent follower n-grams, with LRU eviction; and frozen tables."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+Follower = tuple[int, ...]
+
+
+class LRUNGramTable:
+    """The dynamic table: at most ``leader_capacity`` leaders, each with at most ``follower_capacity`` followers.
+
+    Rules (Cacheback): inserting or querying a leader makes it the most recent leader; inserting a follower
+    makes it the most recent follower of its leader; querying does not change followers' order. When full,
+    the least recent leader (with all its followers) or the least recent follower of a leader is evicted.
+    Each follower also counts how often it was inserted, which the drafter reads as a frequency.
+    """
+
+    def __init__(self, leader_len: int = 1, follower_len: int = 3, leader_capacity: int = 1 << 20,
+                 follower_capacity: int = 128) -> None:
+        """Create an empty table.
+
+        Args:
+            leader_len: LL, tokens in a leader.
+            follower_len: FL, tokens in a follower.
+            leader_capacity: LC, most leaders held.
+            follower_capacity: FC, most followers held per leader.
+        """
+        for name, value in (("leader_len", leader_len), ("follower_len", follower_len),
+                            ("leader_capacity", leader_capacity), ("follower_capacity", follower_capacity)):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        self.leader_len = int(leader_len)
+        self.follower_len = int(follower_len)
+        self.leader_capacity = int(leader_capacity)
+        self.follower_capacity = int(follower_capacity)
+        # leader -> (follower -> insertions), both ordered least recent first
+        self._leaders: OrderedDict[Follower, OrderedDict[Follower, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._leaders)
+
+    def __contains__(self, leader: Follower) -> bool:
+        return tuple(leader) in self._leaders
+
+    def insert(self, leader: Sequence[int], follower: Sequence[int]) -> None:
+        """Record that ``follower`` came right after ``leader``."""
+        lead, fol = tuple(leader), tuple(follower)
+        if len(lead) != self.leader_len or len(fol) != self.follower_len:
+            raise ValueError(f"expected a {self.leader_len}-token leader and {self.follower_len}-token follower")
+        self._insert(lead, fol)
+
+    def _insert(self, lead: Follower, fol: Follower) -> None:
+        followers = self._leaders.get(lead)
+        if followers is None:
+            followers = OrderedDict()
+            self._leaders[lead] = followers
+            if len(self._leaders) > self.leader_capacity:
+                self._leaders.popitem(last=False)
+        else:
+            self._leaders.move_to_end(lead)
+        count = followers.pop(fol, 0)
+        followers[fol] = count + 1
+        if len(followers) > self.follower_capacity:
+            followers.popitem(last=False)
+
+    def query(self, leader: Sequence[int], limit: int | None = None) -> list[tuple[Follower, int]]:
+        """Followers of ``leader``, most recently inserted first, with their insertion counts.
+
+        Refreshes the leader's recency. An unknown leader gives an empty list.
+        """
+        lead = tuple(leader)
+        followers = self._leaders.get(lead)
+        if followers is None:
+            return []
+        self._leaders.move_to_end(lead)
+        out: list[tuple[Follower, int]] = []
+        for item in reversed(followers.items()):
+            out.append(item)
+            if limit is not None and len(out) >= limit:
+                break
+        return out
+
+    def update(self, tokens: Sequence[int], new_from: int = 0) -> int:
+        """Slide a window over ``tokens`` and insert every leader-follower pair that ends at or after ``new_from``.
+
+        Args:
+            tokens: the sequence (only its last ``new tokens + LL + FL`` matter).
+            new_from: index of the first token not seen by an earlier update of this sequence.
+
+        Returns:
+            Number of pairs inserted.
+        """
+        span = self.leader_len + self.follower_len
+        first = max(0, new_from - span + 1)
+        seq = [int(t) for t in tokens[first:]]
+        ll = self.leader_len
+        n = 0
+        for i in range(0, len(seq) - span + 1):
+            self._insert(tuple(seq[i:i + ll]), tuple(seq[i + ll:i + span]))
+            n += 1
+        return n
+
+    def items(self) -> Iterable[tuple[Follower, list[tuple[Follower, int]]]]:
+        """Leaders least recent first, each with its followers least recent first (for snapshots)."""
+        for lead, followers in self._leaders.items():
+            yield lead, list(followers.items())
+
+    def load(self, items: Iterable[tuple[Sequence[int], Iterable[tuple[Sequence[int], int]]]]) -> None:
+        """Replace the contents with ``items`` as produced by ``items()`` (order is recency)."""
+        self._leaders.clear()
+        for lead, followers in items:
+            od: OrderedDict[Follower, int] = OrderedDict((tuple(f), int(c)) for f, c in followers)
+            self._leaders[tuple(lead)] = od
+        self.check_invariants()
+
+    @property
+    def followers(self) -> int:
+        """Followers held over all leaders."""
+        return sum(len(f) for f in self._leaders.values())
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when a capacity or a shape rule is broken."""
+        assert len(self._leaders) <= self.leader_capacity, "too many leaders"
+        for lead, followers in self._leaders.items():
+            assert len(lead) == self.leader_len, f"leader {lead} has the wrong length"
+            assert 1 <= len(followers) <= self.follower_capacity, f"leader {lead} holds {len(followers)} followers"
+            for fol, count in followers.items():
+                assert len(fol) == self.follower_len and count >= 1, f"bad follower {fol} of {lead}"
+
+
+class FrozenNGramTable:
+    """A read-only table built offline: the most frequent leaders, each with its most frequent followers."""
+
+    def __init__(self, leader_len: int, follower_len: int,
+                 entries: dict[Follower, list[tuple[Follower, int]]]) -> None:
+        """Wrap prepared entries (leader -> followers with counts, most frequent first)."""
+        self.leader_len = int(leader_len)
+        self.follower_len = int(follower_len)
+        self._entries = entries
+
+    @classmethod
+    def build(cls, sequences: Iterable[Sequence[int] | np.ndarray], leader_len: int = 1, follower_len: int = 3,
+              leader_capacity: int = 1 << 20, follower_capacity: int = 128) -> "FrozenNGramTable":
+        """Count every leader-follower pair in ``sequences`` and keep the most frequent ones.
+
+        Leaders are ranked by how often they occur as leaders of a full pair; ties go to the smaller
+        token tuple, so the result does not depend on dictionary order.
+        """
+        span = leader_len + follower_len
+        chunks = []
+        for seq in sequences:
+            arr = np.asarray(seq, dtype=np.int64).ravel()
+            if arr.size >= span:
+                chunks.append(np.lib.stride_tricks.sliding_window_view(arr, span))
+        if not chunks:
+            return cls(leader_len, follower_len, {})
+        grams, counts = np.unique(np.concatenate(chunks), axis=0, return_counts=True)  # sorted rows
+        leaders = grams[:, :leader_len]
+        starts = np.flatnonzero(np.r_[True, (leaders[1:] != leaders[:-1]).any(axis=1)])
+        totals = np.add.reduceat(counts, starts)
+        order = sorted(range(starts.size), key=lambda i: (-int(totals[i]), i))[:leader_capacity]
+        stops = np.r_[starts[1:], grams.shape[0]]
+        entries: dict[Follower, list[tuple[Follower, int]]] = {}
+        for i in order:
+            s, e = int(starts[i]), int(stops[i])
+            rank = sorted(range(s, e), key=lambda j: (-int(counts[j]), j))[:follower_capacity]
+            entries[tuple(int(t) for t in leaders[s])] = [
+                (tuple(int(t) for t in grams[j, leader_len:]), int(counts[j])) for j in rank]
+        return cls(leader_len, follower_len, entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def query(self, leader: Sequence[int], limit: int | None = None) -> list[tuple[Follower, int]]:
+        """Followers of ``leader`` with their corpus counts, most frequent first (empty if unknown)."""
+        found = self._entries.get(tuple(leader), [])
+        return found if limit is None else found[:limit]
+
+    def items(self) -> Iterable[tuple[Follower, list[tuple[Follower, int]]]]:
+        """Every leader with its followers, in the table's order."""
+        return self._entries.items()
+
+    def check_invariants(self, leader_capacity: int | None = None, follower_capacity: int | None = None) -> None:
+        """Raise AssertionError when shapes, ordering or the optional capacities are violated."""
+        if leader_capacity is not None:
+            assert len(self._entries) <= leader_capacity
+        for lead, followers in self._entries.items():
+            assert len(lead) == self.leader_len
+            assert followers and (follower_capacity is None or len(followers) <= follower_capacity)
+            counts = [c for _, c in followers]
+            assert counts == sorted(counts, reverse=True), f"followers of {lead} not most frequent first"
+            assert all(len(f) == self.follower_len for f, _ in followers)

@@ -1,0 +1,122 @@
+"""Suffix array over a reversed snapshot of the ring buffer: every earlier occurrence of a context's end."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pydivsufsort
+
+from store.match_kernels import extend_matches, pack_pattern
+
+logger = logging.getLogger(__name__)
+
+
+def key_layout(max_token: int) -> tuple[int, int]:
+    """Bits per token and tokens per uint64 key for ids up to ``max_token`` (0 is kept for separators)."""
+    bits = max(1, int(max_token + 1).bit_length())
+    return bits, max(1, 64 // bits)
+
+
+class SuffixIndex:
+    """Immutable suffix index over the tokens at absolute positions [start, end) of a ring buffer.
+
+    The snapshot is indexed in reverse, so the suffixes that begin with the reversed context are exactly
+    the places where the context ended before, and the ranges for longer matches nest inside the ranges
+    for shorter ones: one descent finds the longest match. The first ``tokens_per_key`` tokens of every
+    reversed suffix are packed into one uint64 (big-endian, token + 1, 0 for a separator and everything
+    after it), so the first levels are found by ``np.searchsorted``; longer patterns are narrowed by
+    reading the live ring buffer.
+    """
+
+    def __init__(self, snapshot: np.ndarray, start: int) -> None:
+        """Build the index.
+
+        Args:
+            snapshot: (n,) int32 writable tokens at absolute positions [start, start + n), separators -1.
+            start: absolute position of ``snapshot[0]``.
+        """
+        t0 = time.perf_counter()
+        n = int(snapshot.size)
+        self.start = int(start)
+        self.end = self.start + n
+        max_token = int(snapshot.max(initial=0))
+        self.bits, self.tokens_per_key = key_layout(max_token)
+        rev = np.ascontiguousarray(snapshot[::-1], dtype=np.int32)
+        if n:
+            self._sa = pydivsufsort.divsufsort(rev).astype(np.int32, copy=False)  # (n,) reversed-suffix starts
+        else:
+            self._sa = np.zeros(0, dtype=np.int32)
+        self._keys = self._pack_keys(rev)  # (n,) uint64, sorted
+        del rev
+        self.build_seconds = time.perf_counter() - t0
+        logger.debug("suffix index over %d tokens built in %.3f s", n, self.build_seconds)
+
+    def _pack_keys(self, rev: np.ndarray) -> np.ndarray:
+        n = rev.size
+        keys = np.zeros(n, dtype=np.uint64)
+        alive = np.ones(n, dtype=bool)
+        for j in range(self.tokens_per_key):
+            idx = self._sa.astype(np.int64) + j
+            tok = np.full(n, -1, dtype=np.int64)
+            inside = idx < n
+            tok[inside] = rev[idx[inside]]
+            alive &= tok >= 0
+            keys = (keys << np.uint64(self.bits)) | (np.where(alive, tok + 1, 0).astype(np.uint64))
+        return keys
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the index arrays."""
+        return int(self._sa.nbytes + self._keys.nbytes)
+
+    def forward_position(self, sa_slice: np.ndarray) -> np.ndarray:
+        """Absolute positions of the context's last token for suffix-array entries (int64)."""
+        return self.end - 1 - sa_slice.astype(np.int64)
+
+    def match(self, context_rev: np.ndarray, ring_data: np.ndarray, oldest: int, max_match: int,
+              max_candidates: int = 4096) -> tuple[int, np.ndarray, np.ndarray]:
+        """Find the longest suffix of the context that occurred in the indexed range.
+
+        Args:
+            context_rev: (c,) int64 the context reversed (last token first), c >= 1.
+            ring_data: (capacity,) int32 the ring buffer's slots, read for matches longer than a key.
+            oldest: absolute position of the oldest token still in the ring buffer.
+            max_match: longest match length considered.
+            max_candidates: occurrences of a full key examined for longer matches; beyond it an evenly
+                spaced sample is examined, so counts past the key length become estimates.
+
+        Returns:
+            (m, counts, ends): the longest match length m (0 if none), counts[i] = occurrences of the last
+            i + 1 tokens for i < m (approximate for overwritten ranges), and the int64 absolute positions of
+            the last matched token of every occurrence of length m still held in the buffer.
+        """
+        if not len(self) or context_rev.size == 0:
+            return 0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        limit = min(int(max_match), int(context_rev.size))
+        k = min(self.tokens_per_key, limit)
+        if int(context_rev[:k].max()) + 1 >= (1 << self.bits):
+            k = int(np.argmax(context_rev[:k] + 1 >= (1 << self.bits)))  # token unseen by this index
+            if k == 0:
+                return 0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        lows, highs = pack_pattern(context_rev[:k], self.bits, self.tokens_per_key)
+        lo = np.searchsorted(self._keys, lows, side="left")
+        hi = np.searchsorted(self._keys, highs, side="right")
+        counts = (hi - lo).astype(np.int64)  # non-increasing: the ranges nest
+        m = int(np.count_nonzero(counts))
+        if m == 0:
+            return 0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        counts = counts[:m]
+        ends = self.forward_position(self._sa[lo[m - 1]:hi[m - 1]])
+        if m == k and limit > k:
+            if ends.size > max_candidates:
+                ends = ends[::-(-ends.size // max_candidates)]
+            m, more, ends = extend_matches(ring_data, ends, context_rev, m, limit, oldest)
+            counts = np.concatenate([counts, more])
+        else:
+            ends = ends[ends - (m - 1) >= oldest]
+        return m, counts, ends

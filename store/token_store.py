@@ -1,0 +1,195 @@
+"""The global token store: ring buffer plus suffix indexes, searched together for a context's continuations."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from store.match_kernels import continuations, scan_matches
+from store.ring_buffer import RingBuffer
+from store.suffix_index import SuffixIndex
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Continuations:
+    """What followed the earlier occurrences of a context's longest matching end.
+
+    Attributes:
+        match_len: tokens matched (0: nothing found).
+        counts: (match_len,) int64 occurrences of the last 1, 2, ..., match_len context tokens.
+        rows: (k, depth) int32 the tokens after each examined occurrence, most recent first, -1 past
+            the end of its document.
+    """
+
+    match_len: int
+    counts: np.ndarray
+    rows: np.ndarray
+
+    @property
+    def occurrences(self) -> int:
+        """Occurrences of the longest match (before sampling)."""
+        return int(self.counts[-1]) if self.match_len else 0
+
+
+EMPTY = Continuations(0, np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int32))
+
+
+@dataclass(frozen=True)
+class _Indexes:
+    main: SuffixIndex | None
+    delta: SuffixIndex | None
+
+    @property
+    def end(self) -> int:
+        for idx in (self.delta, self.main):
+            if idx is not None:
+                return idx.end
+        return 0
+
+
+class TokenStore:
+    """Ring buffer of completed requests with a two-level suffix index and a scanned tail.
+
+    The main index covers most of the buffer and is rebuilt rarely; the delta index covers what arrived
+    since, and is rebuilt often because it is small; the few tokens after the delta are scanned. All
+    three are searched on every lookup, so a request ingested a moment ago already helps. Rebuilds run
+    wherever the caller runs ``rebuild`` (a background job) and are swapped in atomically.
+    """
+
+    def __init__(self, capacity: int = 32 * 1024 * 1024, tail_tokens: int = 8192,
+                 delta_fraction: float = 0.25, max_candidates: int = 4096, max_examined: int = 1024) -> None:
+        """Create an empty store.
+
+        Args:
+            capacity: ring buffer size in tokens.
+            tail_tokens: unindexed tokens tolerated before the delta index is rebuilt.
+            delta_fraction: the main index is rebuilt when the delta index exceeds this share of it.
+            max_candidates: occurrences per index examined when extending a match past one key.
+            max_examined: occurrences of the longest match gathered before picking the most recent.
+        """
+        self.ring = RingBuffer(capacity)
+        self.tail_tokens = int(tail_tokens)
+        self.delta_fraction = float(delta_fraction)
+        self.max_candidates = int(max_candidates)
+        self.max_examined = int(max_examined)
+        self._indexes = _Indexes(None, None)
+        self._rebuild_lock = threading.Lock()
+
+    # -- writing ---------------------------------------------------------------------------------------
+
+    def append(self, tokens: Sequence[int] | np.ndarray) -> tuple[int, int]:
+        """Append one completed request (prompt + output) as a document; see ``RingBuffer.append``."""
+        return self.ring.append(tokens)
+
+    # -- indexing --------------------------------------------------------------------------------------
+
+    @property
+    def indexed_end(self) -> int:
+        """Absolute position one past the last indexed token."""
+        return max(self._indexes.end, self.ring.oldest)
+
+    @property
+    def unindexed(self) -> int:
+        """Tokens after the last index, searched by scanning."""
+        return self.ring.end - self.indexed_end
+
+    def rebuild_due(self) -> str | None:
+        """Which rebuild is worth running now: "main", "delta" or None."""
+        idx = self._indexes
+        main_len = len(idx.main) if idx.main is not None else 0
+        delta_len = (len(idx.delta) if idx.delta is not None else 0) + self.unindexed
+        if self.unindexed < self.tail_tokens:
+            return None
+        if idx.main is None or idx.main.start < self.ring.oldest or delta_len > self.delta_fraction * main_len:
+            return "main"
+        return "delta"
+
+    def rebuild(self, kind: str | None = None) -> str | None:
+        """Rebuild an index (the due one when ``kind`` is None) and swap it in.
+
+        Returns:
+            The kind rebuilt, or None when nothing was due.
+        """
+        with self._rebuild_lock:
+            kind = kind or self.rebuild_due()
+            if kind is None:
+                return None
+            tokens, start = self.ring.snapshot()
+            if kind == "main":
+                self._indexes = _Indexes(SuffixIndex(tokens, start) if tokens.size else None, None)
+            elif kind == "delta":
+                main = self._indexes.main
+                cut = max(main.end if main is not None else start, start)
+                self._indexes = _Indexes(main, SuffixIndex(tokens[cut - start:].copy(), cut))
+            else:
+                raise ValueError(f"unknown rebuild kind {kind!r}")
+            return kind
+
+    # -- reading ---------------------------------------------------------------------------------------
+
+    def lookup(self, context: Sequence[int] | np.ndarray, max_match: int = 32, max_occurrences: int = 32,
+               depth: int = 16) -> Continuations:
+        """What followed earlier occurrences of the longest suffix of ``context``.
+
+        Args:
+            context: the sequence so far (at least its last ``max_match`` tokens).
+            max_match: longest match length considered.
+            max_occurrences: most recent occurrences whose continuations are returned.
+            depth: continuation tokens read per occurrence.
+        """
+        ctx = np.asarray(context[-max_match:] if len(context) > max_match else context, dtype=np.int64)
+        if ctx.size == 0:
+            return EMPTY
+        ctx_rev = ctx[::-1]
+        ring = self.ring
+        data = ring.view()
+        oldest, stop = ring.oldest, ring.end
+        idx = self._indexes
+        found = [scan_matches(data, max(idx.end, oldest), stop, ctx_rev, ctx.size, oldest)]
+        for seg in (idx.delta, idx.main):
+            if seg is not None:
+                found.append(seg.match(ctx_rev, data, oldest, ctx.size, self.max_candidates))
+        m = max(f[0] for f in found)
+        if m == 0:
+            return EMPTY
+        counts = np.zeros(m, dtype=np.int64)
+        ends_all = []
+        for fm, fc, fe in found:
+            counts[:fm] += fc
+            if fm == m:
+                ends_all.append(fe)
+        ends = np.concatenate(ends_all) if len(ends_all) > 1 else ends_all[0]
+        if ends.size > self.max_examined:
+            ends = ends[::-(-ends.size // self.max_examined)]
+        if ends.size > max_occurrences:
+            ends = ends[np.argpartition(-ends, max_occurrences - 1)[:max_occurrences]]
+        ends = np.sort(ends)[::-1]
+        rows = continuations(data, ends + 1, depth, stop)
+        return Continuations(m, counts, rows)
+
+    def stats(self) -> dict[str, int]:
+        """Sizes for monitoring: tokens held, documents, indexed and unindexed tokens, bytes."""
+        idx = self._indexes
+        index_bytes = sum(s.nbytes for s in (idx.main, idx.delta) if s is not None)
+        return {
+            "tokens": len(self.ring),
+            "documents": self.ring.documents,
+            "indexed_tokens": sum(len(s) for s in (idx.main, idx.delta) if s is not None),
+            "unindexed_tokens": self.unindexed,
+            "ring_bytes": self.ring.nbytes,
+            "index_bytes": index_bytes,
+        }
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the buffer or the index bookkeeping is inconsistent."""
+        self.ring.check_invariants()
+        idx = self._indexes
+        if idx.main is not None and idx.delta is not None:
+            assert idx.delta.start == idx.main.end, "delta index does not start where the main one ends"
+        assert self._indexes.end <= self.ring.end, "index beyond the buffer's end"
