@@ -193,8 +193,9 @@ def _mtbench_requests(folder: pathlib.Path) -> Iterator[_RawRequest]:
     """MT-Bench turns with vicuna-7b's recorded greedy answers, in question order, turn 1 then 2.
 
     Prompt: the conversation so far in the vicuna v1.1 template
-    (``SYSTEM USER: q1 ASSISTANT: a1</s>USER: q2 ASSISTANT:``); output: `` `` + the recorded answer,
-    which ends with ``</s>`` (the output tokens reappear unchanged in the next turn's prompt).
+    (``SYSTEM USER: q1 ASSISTANT: a1</s>USER: q2 ASSISTANT:``); output: the recorded answer with the
+    space that follows ``ASSISTANT:``, ending with ``</s>`` as recorded (so the output tokens reappear
+    unchanged in the next turn's prompt).
     """
     questions = _read_jsonl(folder / "mtbench_question.jsonl")
     answers = {rec["question_id"]: rec["choices"][0]["turns"]

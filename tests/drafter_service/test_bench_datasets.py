@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import pathlib
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ IM_START, IM_END = 1, 2
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _fresh_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+def _fresh_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Every test module run starts from an empty cache folder (builds and caches are exercised)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("DRAFTER_CACHE_DIR", str(tmp_path_factory.mktemp("drafter-cache")))
@@ -101,10 +102,8 @@ def test_mtbench_requests() -> None:
     assert tok.decode(reqs[0].prompt.tolist()).startswith("A chat between a curious user")
     assert tok.decode(reqs[0].prompt.tolist()).endswith(" ASSISTANT:")
     for first, second in zip(reqs[0::2], reqs[1::2]):
-        n = len(first.output)
         turn1 = first.prompt.tolist() + first.output.tolist()
         assert second.prompt[: len(turn1)].tolist() == turn1  # the turn-1 answer tokens reappear unchanged
-        assert n > 0
     # the second load comes from the cache file and is identical
     again = load_dataset("mtbench", limit=3)
     assert [r.request_id for r in again] == [r.request_id for r in reqs[:3]]

@@ -1,0 +1,130 @@
+"""The `drafter bench ...` commands: replay against peers, and the store's size and latency at scale."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from drafter_service.bench.datasets import DATASET_NAMES, Request, load_dataset, read_requests
+from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
+from drafter_service.bench.protocol import ReplayDrafter
+from drafter_service.bench.replay import CoreDrafter, ReplayResult, replay
+from drafter_service.config import DrafterConfig
+
+logger = logging.getLogger(__name__)
+
+PEERS = ("prompt-lookup", "arctic", "arctic-f4")
+
+
+def add_bench_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``bench replay`` and ``bench store`` under the ``bench`` command."""
+    bench = sub.add_parser("bench", help="measure acceptance and cost").add_subparsers(dest="bench", required=True)
+    rp = bench.add_parser("replay", help="replay completed requests through drafter and peers")
+    rp.add_argument("files", nargs="*", help="request JSONL files (request_id, prompt, output token ids)")
+    rp.add_argument("--dataset", action="append", default=[], choices=DATASET_NAMES,
+                    help="a built-in data set, tokenized with SmolLM2's tokenizer (repeatable)")
+    rp.add_argument("--limit", type=int, default=None, help="requests per data set (default: each set's own)")
+    rp.add_argument("--budget", type=int, action="append", default=[], help="tree budget in nodes (repeatable)")
+    rp.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated peers among {', '.join(PEERS)}")
+    rp.add_argument("--json", help="also write the results as JSON to this file")
+    rp.set_defaults(func=run_replay)
+    st = bench.add_parser("store", help="index size, rebuild time and draft latency with a large store")
+    st.add_argument("--tokens", type=int, default=10_000_000, help="tokens to fill the store with")
+    st.add_argument("--requests", type=int, default=200, help="held-out requests whose drafts are timed")
+    st.add_argument("--budget", type=int, default=32)
+    st.set_defaults(func=run_store)
+
+
+def _make_peer(name: str) -> ReplayDrafter | None:
+    if name == "prompt-lookup":
+        return PromptLookupDrafter()
+    if name in ("arctic", "arctic-f4"):
+        if not arctic_available():
+            logger.warning("arctic-inference is not installed (make bench-peers); skipping %s", name)
+            return None
+        return ArcticSuffixDrafter(max_spec_factor=4.0 if name == "arctic-f4" else 1.0)
+    raise SystemExit(f"unknown peer {name!r}; choose among {', '.join(PEERS)}")
+
+
+def _datasets(args: argparse.Namespace) -> list[tuple[str, list[Request]]]:
+    sets = [(name, load_dataset(name, args.limit)) for name in args.dataset]
+    for path in args.files:
+        reqs = list(read_requests(path))
+        sets.append((path, reqs[:args.limit] if args.limit else reqs))
+    if not sets:
+        raise SystemExit("give request files or --dataset NAME")
+    return sets
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """Replay each data set through drafter and every peer at every budget; print one table."""
+    budgets = args.budget or [32]
+    if any(b < 1 for b in budgets):
+        raise SystemExit("--budget must be at least 1")
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    results: list[ReplayResult] = []
+    for name, reqs in _datasets(args):
+        for budget in budgets:
+            drafters = [CoreDrafter()] + [d for d in map(_make_peer, peers) if d is not None]
+            for drafter in drafters:
+                with tqdm(total=len(reqs), desc=f"{name} b={budget} {drafter.name}", unit="req",
+                          file=sys.stderr, leave=False) as bar:
+                    results.append(replay(drafter, reqs, budget, name, progress=lambda _: bar.update()))
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.as_dict() for r in results], f, indent=1)
+    return 0
+
+
+def format_table(results: Sequence[ReplayResult]) -> str:
+    """Markdown table; ``vs best peer`` is drafter's MAT over the best peer's on the same set and budget."""
+    best: dict[tuple[str, int], float] = {}
+    for r in results:
+        if r.drafter != "drafter":
+            key = (r.dataset, r.budget)
+            best[key] = max(best.get(key, 0.0), r.mat)
+    lines = ["| data set | budget | drafter | MAT | vs best peer | steps with a hit | nodes/step | p50 µs | p99 µs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        peer = best.get((r.dataset, r.budget))
+        ratio = f"{r.mat / peer:.2f}×" if r.drafter == "drafter" and peer else ""
+        lines.append(f"| {r.dataset} | {r.budget} | {r.drafter} | {r.mat:.3f} | {ratio} | {r.hit_rate:.1%} | "
+                     f"{r.mean_nodes:.1f} | {r.p50_us:.0f} | {r.p99_us:.0f} |")
+    return "\n".join(lines)
+
+
+def run_store(args: argparse.Namespace) -> int:
+    """Fill a store with ShareGPT requests (repeated) up to ``--tokens``, rebuild, then time drafts."""
+    requests = load_dataset("sharegpt", 3000)
+    held_out, fill = requests[-args.requests:], requests[:-args.requests]
+    core = CoreDrafter(DrafterConfig(capacity=max(args.tokens + 1024, 1 << 20)))
+    store = core.core.store
+    with tqdm(total=args.tokens, desc="filling", unit="tok", unit_scale=True, file=sys.stderr) as bar:
+        i = 0
+        while store.ring.end < args.tokens:
+            req = fill[i % len(fill)]
+            before = store.ring.end
+            core.core.ingest(req.prompt, req.output)
+            bar.update(store.ring.end - before)
+            i += 1
+    t0 = time.perf_counter()
+    store.rebuild("main")
+    rebuild_s = time.perf_counter() - t0
+    stats = store.stats()
+    per_token = (stats["ring_bytes"] + stats["index_bytes"]) / max(1, stats["tokens"])
+    result = replay(core, held_out, args.budget, "sharegpt-held-out")
+    print(f"tokens stored: {stats['tokens']:,}  documents: {stats['documents']:,}")
+    print(f"main index rebuild: {rebuild_s:.2f} s")
+    print(f"ring buffer + index: {per_token:.2f} bytes per stored token")
+    print(f"drafts timed: {result.steps:,}  budget {args.budget}  MAT {result.mat:.3f}")
+    print(f"draft latency (correction + proposal): p50 {result.p50_us:.1f} µs  p99 {result.p99_us:.1f} µs  "
+          f"mean {np.mean(result.latencies_ns) / 1e3:.1f} µs")
+    return 0
