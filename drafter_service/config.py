@@ -37,7 +37,7 @@ class DrafterConfig:
     table_branch: int = 8
     max_nodes: int = 32
     max_depth: int = 24
-    min_prob: float = 0.005
+    min_prob: float = 0.001
     adaptive_budget: bool = True
     min_nodes: int = 8
     use_session: bool = True

@@ -128,16 +128,16 @@ class Drafter:
         if cfg.use_session:
             found = sess.lookup(cfg.max_match, cfg.max_occurrences, cfg.max_depth)
             if found.match_len:
-                rows.append(RowsSource("session", found.match_len, found.rows.tolist()))
+                rows.append(RowsSource(0, found.match_len, found.rows.tolist()))
         if cfg.use_store:
             found = self.store.lookup(tokens, cfg.max_match, cfg.max_occurrences, cfg.max_depth)
             if found.match_len:
-                rows.append(RowsSource("store", found.match_len, found.rows.tolist()))
+                rows.append(RowsSource(1, found.match_len, found.rows.tolist()))
         tables: list[TableSource] = []
         if cfg.use_dynamic:
-            tables.append(TableSource("dynamic", _LockedTable(self.dynamic, self._table_lock), cfg.table_branch, 0.3))
+            tables.append(TableSource(2, _LockedTable(self.dynamic, self._table_lock), cfg.table_branch))
         if cfg.use_frozen:
-            tables.extend(TableSource(f"frozen", t, cfg.table_branch, 0.15) for t in self.frozen.values())
+            tables.extend(TableSource(3, t, cfg.table_branch) for t in self.frozen.values())
         limits = BuildLimits(budget, cfg.max_depth, cfg.min_prob)
         tree, evidence = build_tree(tokens[-cfg.leader_len:].tolist(), rows, tables, self.model, limits)
         sess.remember(tree, evidence)

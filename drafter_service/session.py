@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -111,7 +110,7 @@ class DraftSession:
         limit = max_nodes or self.max_nodes
         if not cfg.adaptive_budget:
             return limit
-        wanted = math.ceil(cfg.min_nodes * (1.0 + 2.0 * self._ema_accepted))
+        wanted = round(cfg.min_nodes * (1.0 + 2.0 * self._ema_accepted))
         return max(min(cfg.min_nodes, limit), min(limit, wanted))
 
     def lookup(self, max_match: int, max_occurrences: int, depth: int) -> Continuations:

@@ -12,6 +12,8 @@ from drafter_service.tree import EMPTY_TREE, DraftTree
 Evidence = tuple[Any, float]
 """(acceptance-model key, prior used) behind one proposed node."""
 
+SOURCE_NAMES = ("session", "store", "dynamic", "frozen")
+
 
 class FollowerTable(Protocol):
     """What the builder needs from an n-gram table (dynamic or frozen)."""
@@ -23,21 +25,26 @@ class FollowerTable(Protocol):
 
 @dataclass(frozen=True)
 class RowsSource:
-    """Continuations of a suffix match: ``rows[i]`` is what followed occurrence i (-1 padded)."""
+    """Continuations of a suffix match: ``rows[i]`` is what followed occurrence i (-1 padded).
 
-    name: str
+    ``kind`` is 0 for the session's own tokens and 1 for the global store.
+    """
+
+    kind: int
     match_len: int
     rows: list[list[int]]
 
 
 @dataclass(frozen=True)
 class TableSource:
-    """An n-gram table queried at the root and again at the end of every follower."""
+    """An n-gram table queried at the root and wherever no follower is in progress.
 
-    name: str
+    ``kind`` is 2 for the dynamic table and 3 for a frozen one.
+    """
+
+    kind: int
     table: FollowerTable
     branch: int
-    prior_scale: float
 
 
 @dataclass(frozen=True)
@@ -50,21 +57,40 @@ class BuildLimits:
     branch: int = 8
 
 
-def _rows_prior(match_len: int, share: float, n: int) -> float:
+def rows_prior(match_len: int, share: float, n: int) -> float:
+    """Starting estimate for a suffix-match child before any outcome is observed."""
     return share * (match_len / (match_len + 1.0)) * (n / (n + 0.5))
+
+
+_TABLE_PRIOR = {2: 0.3, 3: 0.15}
+_FOLLOWER_PRIOR = 0.6
+
+
+class _Child:
+    """Evidence gathered for one candidate token under one node."""
+
+    __slots__ = ("rows", "states", "rank", "count", "kinds")
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.states: list[tuple[TableSource, tuple[int, ...], int]] = []
+        self.rank = 99  # best recency/frequency rank among fresh followers
+        self.count = 0  # insertions of those followers
+        self.kinds = 0  # bit mask of source kinds
 
 
 def build_tree(context: Sequence[int], rows_sources: Sequence[RowsSource], table_sources: Sequence[TableSource],
                model: AcceptanceModel, limits: BuildLimits) -> tuple[DraftTree, list[list[Evidence]]]:
     """Grow the tree best-first: always add the candidate with the highest estimated acceptance.
 
-    A candidate's estimate is its parent's times the acceptance model's conditional estimate for the
-    evidence that proposed it. When several sources propose the same token under the same parent they
-    become one node that keeps the highest estimate and the children of all of them.
+    Every node gathers, for each possible next token, the evidence of all sources at once: the suffix
+    matches (session and store) whose continuation goes on with it, the n-gram followers in progress
+    through it, and fresh table followers where none is in progress. The acceptance model turns that
+    evidence into a conditional estimate; a node's estimate is its parent's times it.
 
     Args:
-        context: the sequence so far (its last tokens lead the table queries).
-        rows_sources: suffix-match sources (session and global store).
+        context: the sequence so far (its last token leads the first table queries).
+        rows_sources: suffix-match sources.
         table_sources: n-gram tables, in priority order.
         model: conditional acceptance estimates.
         limits: node, depth, probability and branching bounds.
@@ -72,75 +98,99 @@ def build_tree(context: Sequence[int], rows_sources: Sequence[RowsSource], table
     Returns:
         The tree and, per node, the evidence behind it (for ``AcceptanceModel.record``).
     """
+    rows: list[list[int]] = []
+    row_kind: list[int] = []
+    match_len = [0, 0]  # per rows kind
+    for src in rows_sources:
+        rows.extend(src.rows)
+        row_kind.extend([src.kind] * len(src.rows))
+        match_len[src.kind] = src.match_len
+    depth_cap = len(rows[0]) if rows else 0
+    estimate = model.estimate
+    branch, min_prob = limits.branch, limits.min_prob
     heap: list[tuple] = []
     seq = 0
-    estimate = model.estimate
-    branch = limits.branch
-    min_prob = limits.min_prob
 
-    def push_rows(src: RowsSource, idxs: list[int], d: int, parent: int, pprob: float) -> None:
+    def expand(parent: int, pprob: float, depth: int, row_ids: list[int],
+               states: list[tuple[TableSource, tuple[int, ...], int]], last: int) -> None:
         nonlocal seq
-        rows = src.rows
-        if not rows or d >= len(rows[0]):
-            return
-        n = len(idxs)
-        if n == 1:
-            tok = rows[idxs[0]][d]
-            groups = {tok: idxs} if tok >= 0 else {}
-        else:
-            groups = {}
-            for i in idxs:
-                tok = rows[i][d]
+        children: dict[int, _Child] = {}
+        n = len(row_ids)
+        if n and depth < depth_cap:
+            for r in row_ids:
+                tok = rows[r][depth]
                 if tok >= 0:
-                    g = groups.get(tok)
-                    if g is None:
-                        groups[tok] = [i]
-                    else:
-                        g.append(i)
-        if len(groups) > branch:
-            groups = dict(sorted(groups.items(), key=lambda kv: -len(kv[1]))[:branch])
-        m = src.match_len + d
-        mb, cb = match_bucket(m), count_bucket(n)
-        for tok, g in groups.items():
-            share = len(g) / n
-            key = (src.name, mb, share_bucket(share), cb)
-            prior = _rows_prior(m, share, n)
-            p = pprob * estimate(key, prior)
+                    ch = children.get(tok)
+                    if ch is None:
+                        ch = children[tok] = _Child()
+                    ch.rows.append(r)
+                    ch.kinds |= 1 << row_kind[r]
+        progressing = 0
+        for state in states:
+            src, fol, j = state
+            if j + 1 < len(fol):
+                progressing |= 1 << src.kind
+                tok = fol[j + 1]
+                ch = children.get(tok)
+                if ch is None:
+                    ch = children[tok] = _Child()
+                ch.states.append((src, fol, j + 1))
+                ch.kinds |= 1 << src.kind
+        if last >= 0:
+            for src in table_sources:
+                if progressing >> src.kind & 1:
+                    continue
+                for rank, (fol, count) in enumerate(src.table.query((last,), src.branch)):
+                    tok = fol[0]
+                    ch = children.get(tok)
+                    if ch is None:
+                        ch = children[tok] = _Child()
+                    ch.states.append((src, fol, 0))
+                    ch.kinds |= 1 << src.kind
+                    if rank < ch.rank:
+                        ch.rank, ch.count = rank, count
+        if len(children) > branch:
+            children = dict(sorted(children.items(), key=lambda kv: -len(kv[1].rows) - len(kv[1].states))[:branch])
+        if n:
+            at_node = [0, 0]
+            for r in row_ids:
+                at_node[row_kind[r]] += 1
+        for tok, ch in children.items():
+            evidence: list[Evidence] = []
+            best = 0.0
+            if ch.rows:
+                here = [0, 0]
+                for r in ch.rows:
+                    here[row_kind[r]] += 1
+                for kind in (0, 1):
+                    c = here[kind]
+                    if c:
+                        share = c / at_node[kind]
+                        m = match_len[kind] + depth
+                        key = (kind, match_bucket(m), share_bucket(share), count_bucket(at_node[kind]))
+                        prior = rows_prior(m, share, at_node[kind])
+                        evidence.append((key, prior))
+                        best = max(best, estimate(key, prior))
+            for src, fol, j in ch.states[:1] if ch.states else ():
+                if j > 0:
+                    key = (src.kind, "follower", j)
+                    prior = _FOLLOWER_PRIOR
+                else:
+                    key = (src.kind, min(ch.rank, 3), count_bucket(ch.count))
+                    prior = _TABLE_PRIOR.get(src.kind, 0.15) / (1.0 + ch.rank)
+                evidence.append((key, prior))
+                best = max(best, estimate(key, prior))
+            if len(evidence) > 1:
+                key = ("agree", ch.kinds, int(best * 10))
+                evidence.append((key, best))
+                best = estimate(key, best)
+            p = pprob * best
             if p >= min_prob:
                 seq += 1
-                heapq.heappush(heap, (-p, seq, parent, tok, d + 1, 0, (src, g), (key, prior)))
+                heapq.heappush(heap, (-p, seq, parent, tok, depth + 1, ch.rows, ch.states, evidence, ch.kinds))
 
-    def push_table(src: TableSource, follower: tuple | None, j: int, lead: tuple, depth: int, parent: int,
-                   pprob: float) -> None:
-        nonlocal seq
-        if follower is not None and j + 1 < len(follower):
-            tok = follower[j + 1]
-            key = (src.name, j + 1, 0, 0)
-            prior = 0.6
-            p = pprob * estimate(key, prior)
-            if p >= min_prob:
-                seq += 1
-                heapq.heappush(heap, (-p, seq, parent, tok, depth + 1, 1,
-                             (src, follower, j + 1, (lead + (tok,))[-src.table.leader_len:]), (key, prior)))
-            return
-        if len(lead) < src.table.leader_len:
-            return
-        for rank, (fol, count) in enumerate(src.table.query(lead, limit=src.branch)):
-            tok = fol[0]
-            key = (src.name, 0, min(rank, 3), count_bucket(count))
-            prior = src.prior_scale / (1.0 + rank)
-            p = pprob * estimate(key, prior)
-            if p >= min_prob:
-                seq += 1
-                heapq.heappush(heap, (-p, seq, parent, tok, depth + 1, 1,
-                             (src, fol, 0, (lead + (tok,))[-src.table.leader_len:]), (key, prior)))
-
-    for src in rows_sources:
-        if src.rows:
-            push_rows(src, list(range(len(src.rows))), 0, -1, 1.0)
-    tail = tuple(int(t) for t in context[-max((s.table.leader_len for s in table_sources), default=0):])
-    for src in table_sources:
-        push_table(src, None, 0, tail[len(tail) - src.table.leader_len:], 0, -1, 1.0)
+    last = int(context[-1]) if len(context) else -1
+    expand(-1, 1.0, 0, list(range(len(rows))), [], last if table_sources else -1)
     if not heap:
         return EMPTY_TREE, []
 
@@ -149,27 +199,16 @@ def build_tree(context: Sequence[int], rows_sources: Sequence[RowsSource], table
     probs: list[float] = []
     sources: list[str] = []
     evidence: list[list[Evidence]] = []
-    index: dict[tuple[int, int], int] = {}
     max_nodes, max_depth = limits.max_nodes, limits.max_depth
     pop = heapq.heappop
-    while heap:
-        negp, _, parent, tok, depth, kind, payload, ev = pop(heap)
-        node = index.get((parent, tok))
-        if node is None:
-            node = len(tokens)
-            index[(parent, tok)] = node
-            tokens.append(tok)
-            parents.append(parent)
-            probs.append(-negp)
-            sources.append(payload[0].name)
-            evidence.append([ev])
-        else:
-            evidence[node].append(ev)
-        if len(tokens) >= max_nodes:
-            break
+    while heap and len(tokens) < max_nodes:
+        negp, _, parent, tok, depth, row_ids, states, ev, kinds = pop(heap)
+        node = len(tokens)
+        tokens.append(tok)
+        parents.append(parent)
+        probs.append(-negp)
+        sources.append(SOURCE_NAMES[(kinds & -kinds).bit_length() - 1])
+        evidence.append(ev)
         if depth < max_depth:
-            if kind == 0:
-                push_rows(payload[0], payload[1], depth, node, -negp)
-            else:
-                push_table(payload[0], payload[1], payload[2], payload[3], depth, node, -negp)
+            expand(node, -negp, depth, row_ids, states, tok if table_sources else -1)
     return DraftTree(tuple(tokens), tuple(parents), tuple(probs), float(sum(probs)), tuple(sources)), evidence

@@ -1,0 +1,59 @@
+"""DraftTree helpers: invariants, greedy acceptance, subtrees."""
+
+import pytest
+
+from drafter_service.tree import DraftTree, accept_greedy, chain
+
+# root -> 5 -> 6 -> 7 ; root -> 8 -> 9 ; 5 -> 4
+TREE = DraftTree((5, 8, 6, 9, 7, 4), (-1, -1, 0, 1, 2, 0), (0.9, 0.5, 0.8, 0.4, 0.7, 0.1), 3.4)
+
+
+def test_valid_tree_passes_invariants():
+    TREE.check_invariants(max_nodes=6, max_depth=3)
+    assert TREE.depth == 3
+
+
+@pytest.mark.parametrize("tree, message", [
+    (DraftTree((1, 2), (-1, 1), (0.5, 0.4), 0.9), "parent"),
+    (DraftTree((1, 1), (-1, -1), (0.5, 0.4), 0.9), "duplicate"),
+    (DraftTree((1,), (-1,), (0.0,), 0.0), "probability"),
+    (DraftTree((1, 2), (-1, 0), (0.5, 0.6), 1.1), "more likely"),
+    (DraftTree((1,), (-1,), (0.5,), 0.7), "score"),
+])
+def test_broken_trees_fail_invariants(tree, message):
+    with pytest.raises(AssertionError, match=message):
+        tree.check_invariants()
+
+
+def test_budget_and_depth_limits_are_checked():
+    with pytest.raises(AssertionError, match="budget"):
+        TREE.check_invariants(max_nodes=5)
+    with pytest.raises(AssertionError, match="depth"):
+        TREE.check_invariants(max_depth=2)
+
+
+@pytest.mark.parametrize("continuation, expected", [
+    ([5, 6, 7, 1], (3, 4)),   # whole first branch
+    ([5, 4, 9], (2, 5)),      # side branch
+    ([8, 9], (2, 3)),
+    ([5, 9], (1, 0)),         # partly right
+    ([3], (0, -1)),           # wrong
+    ([], (0, -1)),
+])
+def test_accept_greedy_takes_longest_matching_path(continuation, expected):
+    assert accept_greedy(TREE, continuation) == expected
+
+
+def test_subtree_reroots_below_a_node():
+    sub = TREE.subtree(0)  # below token 5: 6 -> 7 and 4
+    assert sub.token_ids == (6, 7, 4)
+    assert sub.parents == (-1, 0, -1)
+    assert sub.probs[0] == pytest.approx(0.8 / 0.9)
+    sub.check_invariants()
+
+
+def test_chain_and_path():
+    c = chain([3, 4, 5], [0.9, 0.8, 0.7])
+    c.check_invariants()
+    assert c.path(2) == [3, 4, 5]
+    assert TREE.path(4) == [5, 6, 7]
