@@ -73,9 +73,13 @@ class RingBuffer:
         Returns:
             (absolute start, absolute end) of the document's tokens, separator excluded.
         """
-        doc = np.asarray(tokens, dtype=np.int32).ravel()
-        if doc.size and int(doc.min()) < 0:
-            raise ValueError("token ids must be non-negative")
+        try:
+            wide = np.asarray(tokens, dtype=np.int64).ravel()
+        except OverflowError as exc:
+            raise ValueError("token ids must fit in int32") from exc
+        if wide.size and (int(wide.min()) < 0 or int(wide.max()) > np.iinfo(np.int32).max):
+            raise ValueError("token ids must be in [0, 2**31)")
+        doc = wide.astype(np.int32)
         if doc.size > self.capacity - 1:
             doc = doc[doc.size - (self.capacity - 1):]
         with self._lock:

@@ -8,9 +8,13 @@ import time
 import numpy as np
 import pydivsufsort
 
+from store import match_kernels
 from store.match_kernels import extend_matches, pack_pattern
 
 logger = logging.getLogger(__name__)
+
+INVERSE_MIN = 1 << 16
+"""Oldest positions of an index that the C kernels can always skip cheaply once they are overwritten."""
 
 
 def key_layout(max_token: int) -> tuple[int, int]:
@@ -50,6 +54,7 @@ class SuffixIndex:
             self._sa = np.zeros(0, dtype=np.int32)
         self._keys = self._pack_keys(rev)  # (n,) uint64, sorted
         del rev
+        self.native_index = self._native_index()  # store._kernels.Index over _keys and _sa, or None
         self.build_seconds = time.perf_counter() - t0
         logger.debug("suffix index over %d tokens built in %.3f s", n, self.build_seconds)
 
@@ -66,13 +71,26 @@ class SuffixIndex:
             keys = (keys << np.uint64(self.bits)) | (np.where(alive, tok + 1, 0).astype(np.uint64))
         return keys
 
+    def _native_index(self) -> object | None:
+        if match_kernels.compiled is None:
+            return None
+        try:
+            # an inverse suffix array over the oldest eighth lets lookups skip overwritten occurrences
+            inverse = min(len(self), max(INVERSE_MIN, len(self) // 8))
+            return match_kernels.compiled.Index(self._keys, self._sa, self.start, self.end, self.bits,
+                                                self.tokens_per_key, inverse)
+        except (TypeError, ValueError) as exc:
+            logger.warning("suffix index left to numpy matching: %s", exc)
+            return None
+
     def __len__(self) -> int:
         return self.end - self.start
 
     @property
     def nbytes(self) -> int:
         """Memory held by the index arrays."""
-        return int(self._sa.nbytes + self._keys.nbytes)
+        native = self.native_index.nbytes if self.native_index is not None else 0
+        return int(self._sa.nbytes + self._keys.nbytes) + native
 
     def forward_position(self, sa_slice: np.ndarray) -> np.ndarray:
         """Absolute positions of the context's last token for suffix-array entries (int64)."""
@@ -92,9 +110,21 @@ class SuffixIndex:
 
         Returns:
             (m, counts, ends): the longest match length m (0 if none), counts[i] = occurrences of the last
-            i + 1 tokens for i < m (approximate for overwritten ranges), and the int64 absolute positions of
+            i + 1 tokens for i < m (once the ring has overwritten part of the indexed range, these
+            still count the overwritten occurrences), and the int64 absolute positions of
             the last matched token of every occurrence of length m still held in the buffer.
         """
+        native = match_kernels.native
+        if native is not None and self.native_index is not None:
+            found = native.index_match(self.native_index, context_rev, ring_data, oldest, max_match,
+                                       max_candidates)
+            if found is not NotImplemented:
+                return found
+        return self.match_numpy(context_rev, ring_data, oldest, max_match, max_candidates)
+
+    def match_numpy(self, context_rev: np.ndarray, ring_data: np.ndarray, oldest: int, max_match: int,
+                    max_candidates: int = 4096) -> tuple[int, np.ndarray, np.ndarray]:
+        """The numpy reference of ``match`` (same arguments and results)."""
         if not len(self) or context_rev.size == 0:
             return 0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         limit = min(int(max_match), int(context_rev.size))
@@ -111,12 +141,20 @@ class SuffixIndex:
         if m == 0:
             return 0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         counts = counts[:m]
-        ends = self.forward_position(self._sa[lo[m - 1]:hi[m - 1]])
         if m == k and limit > k:
+            ends = self.forward_position(self._sa[lo[m - 1]:hi[m - 1]])
             if ends.size > max_candidates:
                 ends = ends[::-(-ends.size // max_candidates)]
-            m, more, ends = extend_matches(ring_data, ends, context_rev, m, limit, oldest)
-            counts = np.concatenate([counts, more])
-        else:
-            ends = ends[ends - (m - 1) >= oldest]
-        return m, counts, ends
+            longer, more, ends = extend_matches(ring_data, ends, context_rev, m, limit, oldest)
+            if longer:
+                return longer, np.concatenate([counts, more]), ends
+        # Positions below ``oldest`` were overwritten after the build: the longest match still held
+        # may be shorter than the longest match the index saw.
+        stale = self.start < oldest
+        for held in range(m, 0, -1):
+            ends = self.forward_position(self._sa[lo[held - 1]:hi[held - 1]])
+            if stale:
+                ends = ends[ends - (held - 1) >= oldest]
+            if ends.size:
+                return held, counts[:held], ends
+        return 0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
+from store import match_kernels
 from store.match_kernels import continuations, scan_matches
 from store.ring_buffer import RingBuffer
 from store.suffix_index import SuffixIndex
@@ -22,7 +23,8 @@ class Continuations:
 
     Attributes:
         match_len: tokens matched (0: nothing found).
-        counts: (match_len,) int64 occurrences of the last 1, 2, ..., match_len context tokens.
+        counts: (match_len,) int64 occurrences of the last 1, 2, ..., match_len context tokens (once the
+            ring has wrapped, indexed occurrences that were overwritten may still be counted).
         rows: (k, depth) int32 the tokens after each examined occurrence, most recent first, -1 past
             the end of its document.
     """
@@ -44,6 +46,12 @@ EMPTY = Continuations(0, np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.
 class _Indexes:
     main: SuffixIndex | None
     delta: SuffixIndex | None
+
+    def __post_init__(self) -> None:
+        # (delta, main) handles for the C kernels; None when an index has none (numpy lookups then)
+        handles = tuple(i.native_index if i is not None else None for i in (self.delta, self.main))
+        usable = all(i is None or i.native_index is not None for i in (self.delta, self.main))
+        object.__setattr__(self, "native", handles if usable else None)
 
     @property
     def end(self) -> int:
@@ -113,6 +121,8 @@ class TokenStore:
     def rebuild(self, kind: str | None = None) -> str | None:
         """Rebuild an index (the due one when ``kind`` is None) and swap it in.
 
+        A "delta" rebuild when no part of the main index is still held rebuilds the main index instead.
+
         Returns:
             The kind rebuilt, or None when nothing was due.
         """
@@ -125,8 +135,10 @@ class TokenStore:
                 self._indexes = _Indexes(SuffixIndex(tokens, start) if tokens.size else None, None)
             elif kind == "delta":
                 main = self._indexes.main
-                cut = max(main.end if main is not None else start, start)
-                self._indexes = _Indexes(main, SuffixIndex(tokens[cut - start:].copy(), cut))
+                if main is None or main.end <= start:  # nothing of the main index is held any more
+                    self._indexes = _Indexes(SuffixIndex(tokens, start), None)
+                    return "main"
+                self._indexes = _Indexes(main, SuffixIndex(tokens[main.end - start:].copy(), main.end))
             else:
                 raise ValueError(f"unknown rebuild kind {kind!r}")
             return kind
@@ -143,6 +155,22 @@ class TokenStore:
             max_occurrences: most recent occurrences whose continuations are returned.
             depth: continuation tokens read per occurrence.
         """
+        native = match_kernels.native
+        if native is not None:
+            ring, handles = self.ring, self._indexes.native
+            if handles is not None:
+                found = native.store_lookup(context, ring._data, ring.oldest, ring.end, handles[0], handles[1],
+                                            max_match, max_occurrences, depth, self.max_candidates,
+                                            self.max_examined)
+                if found is None:
+                    return EMPTY
+                if found is not NotImplemented:
+                    return Continuations(*found)
+        return self.lookup_numpy(context, max_match, max_occurrences, depth)
+
+    def lookup_numpy(self, context: Sequence[int] | np.ndarray, max_match: int = 32, max_occurrences: int = 32,
+                     depth: int = 16) -> Continuations:
+        """The numpy reference of ``lookup`` (same arguments and results)."""
         ctx = np.asarray(context[-max_match:] if len(context) > max_match else context, dtype=np.int64)
         if ctx.size == 0:
             return EMPTY
