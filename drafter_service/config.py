@@ -17,6 +17,7 @@ class DrafterConfig:
         max_occurrences: most recent occurrences whose continuations feed a tree, per source.
         leader_len, follower_len, leader_capacity, follower_capacity: Cacheback LL, FL, LC, FC.
         table_branch: followers read per table query.
+        branch: most children of one node.
         max_nodes: default tree budget.
         max_depth: deepest node of a tree.
         min_prob: nodes whose estimated acceptance is lower are not drafted.
@@ -35,6 +36,7 @@ class DrafterConfig:
     leader_capacity: int = 1 << 20
     follower_capacity: int = 128
     table_branch: int = 8
+    branch: int = 8
     max_nodes: int = 32
     max_depth: int = 24
     min_prob: float = 0.001

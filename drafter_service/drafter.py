@@ -138,7 +138,7 @@ class Drafter:
             tables.append(TableSource(2, _LockedTable(self.dynamic, self._table_lock), cfg.table_branch))
         if cfg.use_frozen:
             tables.extend(TableSource(3, t, cfg.table_branch) for t in self.frozen.values())
-        limits = BuildLimits(budget, cfg.max_depth, cfg.min_prob)
+        limits = BuildLimits(budget, cfg.max_depth, cfg.min_prob, cfg.branch)
         tree, evidence = build_tree(tokens[-cfg.leader_len:].tolist(), rows, tables, self.model, limits)
         sess.remember(tree, evidence)
         return tree

@@ -13,6 +13,7 @@ Evidence = tuple[Any, float]
 """(acceptance-model key, prior used) behind one proposed node."""
 
 SOURCE_NAMES = ("session", "store", "dynamic", "frozen")
+ROWS_KINDS = 2  # session, store
 
 
 class FollowerTable(Protocol):
@@ -100,12 +101,12 @@ def build_tree(context: Sequence[int], rows_sources: Sequence[RowsSource], table
     """
     rows: list[list[int]] = []
     row_kind: list[int] = []
-    match_len = [0, 0]  # per rows kind
+    match_len = [0] * ROWS_KINDS
     for src in rows_sources:
         rows.extend(src.rows)
         row_kind.extend([src.kind] * len(src.rows))
         match_len[src.kind] = src.match_len
-    depth_cap = len(rows[0]) if rows else 0
+    depth_cap = max((len(r) for r in rows[:1] + rows[-1:]), default=0)
     estimate = model.estimate
     branch, min_prob = limits.branch, limits.min_prob
     heap: list[tuple] = []
@@ -118,7 +119,8 @@ def build_tree(context: Sequence[int], rows_sources: Sequence[RowsSource], table
         n = len(row_ids)
         if n and depth < depth_cap:
             for r in row_ids:
-                tok = rows[r][depth]
+                row = rows[r]
+                tok = row[depth] if depth < len(row) else -1
                 if tok >= 0:
                     ch = children.get(tok)
                     if ch is None:
@@ -152,17 +154,17 @@ def build_tree(context: Sequence[int], rows_sources: Sequence[RowsSource], table
         if len(children) > branch:
             children = dict(sorted(children.items(), key=lambda kv: -len(kv[1].rows) - len(kv[1].states))[:branch])
         if n:
-            at_node = [0, 0]
+            at_node = [0] * ROWS_KINDS
             for r in row_ids:
                 at_node[row_kind[r]] += 1
         for tok, ch in children.items():
             evidence: list[Evidence] = []
             best = 0.0
             if ch.rows:
-                here = [0, 0]
+                here = [0] * ROWS_KINDS
                 for r in ch.rows:
                     here[row_kind[r]] += 1
-                for kind in (0, 1):
+                for kind in range(ROWS_KINDS):
                     c = here[kind]
                     if c:
                         share = c / at_node[kind]
