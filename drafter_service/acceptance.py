@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import array
 import threading
-from typing import Hashable, Iterable
+from typing import Iterable
 
-Key = Hashable
+# Evidence keys are small integers laid out in four blocks (shared with the native tree builder):
+#   rows      (kind 0 session / 1 store) x match bucket x share bucket x count bucket
+#   follower  (kind 2 dynamic / 3 frozen) x position in the follower (1, 2+)
+#   fresh     (kind 2 / 3) x rank bucket x count bucket
+#   agree     source-kind mask x bucket of the best single estimate
+N_MATCH, N_SHARE, N_COUNT, N_RANK, N_AGREE = 10, 5, 6, 4, 11
+ROWS_BASE = 0
+FOLLOWER_BASE = ROWS_BASE + 2 * N_MATCH * N_SHARE * N_COUNT
+FRESH_BASE = FOLLOWER_BASE + 2 * 2
+AGREE_BASE = FRESH_BASE + 2 * N_RANK * N_COUNT
+N_KEYS = AGREE_BASE + 16 * N_AGREE
 
 _MATCH_BUCKETS = (0, 1, 2, 3, 4, 5, 5, 6, 6, 7, 7, 7, 7, 8, 8, 8, 8)  # match length -> bucket (9 above 16)
 _COUNT_BUCKETS = (0, 1, 2, 3, 3, 4, 4, 4, 4)  # occurrences -> bucket (5 above 8)
@@ -26,57 +37,79 @@ def share_bucket(share: float) -> int:
     return 4 if share >= 1.0 else int(share * 4)
 
 
+def rows_key(kind: int, match_len: int, share: float, count: int) -> int:
+    """Key of a suffix-match child: which source, how long a match, what share, out of how many."""
+    return ROWS_BASE + ((kind * N_MATCH + match_bucket(match_len)) * N_SHARE + share_bucket(share)) * N_COUNT \
+        + count_bucket(count)
+
+
+def follower_key(kind: int, position: int) -> int:
+    """Key of a table child that continues a follower already in progress (position >= 1)."""
+    return FOLLOWER_BASE + (kind - 2) * 2 + min(position, 2) - 1
+
+
+def fresh_key(kind: int, rank: int, count: int) -> int:
+    """Key of a table child that starts a follower: its rank in the query and its insertion count."""
+    return FRESH_BASE + ((kind - 2) * N_RANK + min(rank, N_RANK - 1)) * N_COUNT + count_bucket(count)
+
+
+def agree_key(kinds: int, best: float) -> int:
+    """Key of a child proposed by several sources (bit mask of kinds) whose best estimate is ``best``."""
+    return AGREE_BASE + kinds * N_AGREE + int(best * (N_AGREE - 1))
+
+
 class AcceptanceModel:
     """Beta-Bernoulli estimate of P(node accepted | parent accepted) for every evidence key.
 
-    A key describes why a node was proposed (its source and a few bucketed features); the estimate starts
-    at a prior given by the source and moves towards the observed acceptance rate as verification
-    outcomes arrive. Counts are halved past ``horizon`` trials so the estimate follows the workload.
-    Thread-safe for concurrent sessions.
+    A key describes why a node was proposed; its estimate starts at the prior given with it and moves
+    towards the observed acceptance rate as verification outcomes arrive. Counts are halved past
+    ``horizon`` trials so the estimate follows the workload. Thread-safe for concurrent sessions.
     """
 
     def __init__(self, prior_strength: float = 4.0, horizon: int = 20000) -> None:
         """Create a model with no observations.
 
         Args:
-            prior_strength: pseudo-trials given to a key's prior.
+            prior_strength: pseudo-trials given to a key's prior at its first observation.
             horizon: trials per key after which its counts are halved.
         """
         self.prior_strength = float(prior_strength)
         self.horizon = int(horizon)
-        self._stats: dict[Key, list[float]] = {}  # key -> [accepted, trials]
-        self._cache: dict[Key, float] = {}
+        self.accepted = array.array("d", bytes(8 * N_KEYS))  # (N_KEYS,) float64 accepted pseudo-counts
+        self.trials = array.array("d", bytes(8 * N_KEYS))  # (N_KEYS,) float64 trial pseudo-counts
         self._lock = threading.Lock()
 
-    def estimate(self, key: Key, prior: float) -> float:
-        """Current estimate for ``key``; ``prior`` is used until it has observations."""
-        est = self._cache.get(key)
-        return prior if est is None else est
+    def estimate(self, key: int, prior: float) -> float:
+        """Current estimate for ``key``; ``prior`` until it has observations."""
+        t = self.trials[key]
+        if t == 0.0:
+            return prior
+        return min(1.0, max(1e-4, self.accepted[key] / t))
 
-    def record(self, outcomes: Iterable[tuple[Key, float, bool]]) -> None:
+    def record(self, outcomes: Iterable[tuple[int, float, bool]]) -> None:
         """Add verification outcomes: (key, prior used for it, accepted?)."""
+        acc, trials, strength = self.accepted, self.trials, self.prior_strength
         with self._lock:
             for key, prior, accepted in outcomes:
-                st = self._stats.get(key)
-                if st is None:
-                    st = self._stats[key] = [prior * self.prior_strength, self.prior_strength]
-                st[0] += 1.0 if accepted else 0.0
-                st[1] += 1.0
-                if st[1] > self.horizon:
-                    st[0] *= 0.5
-                    st[1] *= 0.5
-                self._cache[key] = min(1.0, max(1e-4, st[0] / st[1]))
+                if trials[key] == 0.0:
+                    acc[key] = prior * strength
+                    trials[key] = strength
+                acc[key] += 1.0 if accepted else 0.0
+                trials[key] += 1.0
+                if trials[key] > self.horizon:
+                    acc[key] *= 0.5
+                    trials[key] *= 0.5
 
-    def snapshot(self) -> dict[Key, tuple[float, float]]:
-        """Copy of the observations, for persistence and statistics."""
+    def snapshot(self) -> dict[int, tuple[float, float]]:
+        """The observed keys with (accepted, trials), for persistence and statistics."""
         with self._lock:
-            return {k: (v[0], v[1]) for k, v in self._stats.items()}
+            return {k: (self.accepted[k], self.trials[k]) for k in range(N_KEYS) if self.trials[k] > 0}
 
-    def load(self, stats: dict[Key, tuple[float, float]]) -> None:
+    def load(self, stats: dict[int, tuple[float, float]]) -> None:
         """Replace the observations with ``stats`` as produced by ``snapshot``."""
         with self._lock:
-            self._stats = {k: [float(a), float(t)] for k, (a, t) in stats.items() if t > 0}
-            self._cache = {k: min(1.0, max(1e-4, a / t)) for k, (a, t) in self._stats.items()}
+            for k in range(N_KEYS):
+                self.accepted[k], self.trials[k] = stats.get(k, (0.0, 0.0))
 
     def __len__(self) -> int:
-        return len(self._stats)
+        return sum(1 for t in self.trials if t > 0)

@@ -128,11 +128,11 @@ class Drafter:
         if cfg.use_session:
             found = sess.lookup(cfg.max_match, cfg.max_occurrences, cfg.max_depth)
             if found.match_len:
-                rows.append(RowsSource(0, found.match_len, found.rows.tolist()))
+                rows.append(RowsSource(0, found.match_len, found.rows))
         if cfg.use_store:
             found = self.store.lookup(tokens, cfg.max_match, cfg.max_occurrences, cfg.max_depth)
             if found.match_len:
-                rows.append(RowsSource(1, found.match_len, found.rows.tolist()))
+                rows.append(RowsSource(1, found.match_len, found.rows))
         tables: list[TableSource] = []
         if cfg.use_dynamic:
             tables.append(TableSource(2, _LockedTable(self.dynamic, self._table_lock), cfg.table_branch))

@@ -107,7 +107,7 @@ def test_adaptive_budget_shrinks_after_rejections_and_grows_after_acceptances():
 def _chain_tree(tokens):
     from drafter_service.tree import chain
     tree = chain(tokens, [0.5] * len(tokens))
-    return tree, [[(("test", i), 0.5)] for i in range(len(tokens))]
+    return tree, (list(range(len(tokens) + 1)), list(range(len(tokens))), [0.5] * len(tokens))
 
 
 def test_correction_records_which_nodes_were_accepted():
@@ -116,8 +116,8 @@ def test_correction_records_which_nodes_were_accepted():
     sess.remember(*_chain_tree([4, 5, 6]))
     assert d.extend("s", [4, 5, 9]) == 2  # 4 and 5 confirmed, 6 rejected (9 came instead)
     stats = d.model.snapshot()
-    assert stats[("test", 0)][1] == pytest.approx(d.model.prior_strength + 1)
-    assert stats[("test", 2)][0] == pytest.approx(0.5 * d.model.prior_strength)  # rejected
+    assert stats[0] == pytest.approx((0.5 * d.model.prior_strength + 1, d.model.prior_strength + 1))
+    assert stats[2] == pytest.approx((0.5 * d.model.prior_strength, d.model.prior_strength + 1))  # rejected
     assert sess.tokens.tolist() == [1, 2, 3, 4, 5, 9]
 
 
