@@ -480,8 +480,72 @@ done:
     return result;
 }
 
+static int long_at(PyObject *seq, Py_ssize_t i, long *out) {
+    *out = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* score(tokens, parents, offsets, keys, priors, accepted, acc, trials, strength, horizon) -> confirmed
+ * Same as tree_builder.score_draft: every child of the root and of each confirmed node was tested. */
+static PyObject *score(PyObject *self, PyObject *args) {
+    PyObject *tok_o, *par_o, *off_o, *key_o, *pri_o, *accd_o, *acc_o, *tr_o;
+    double strength, horizon;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOdd", &tok_o, &par_o, &off_o, &key_o, &pri_o, &accd_o, &acc_o, &tr_o,
+                          &strength, &horizon))
+        return NULL;
+    PyObject *toks = NULL, *pars = NULL, *offs = NULL, *keys = NULL, *pris = NULL, *accd = NULL, *result = NULL;
+    Py_buffer va = {0}, vt = {0};
+    toks = PySequence_Fast(tok_o, "tokens"); pars = PySequence_Fast(par_o, "parents");
+    offs = PySequence_Fast(off_o, "offsets"); keys = PySequence_Fast(key_o, "keys");
+    pris = PySequence_Fast(pri_o, "priors"); accd = PySequence_Fast(accd_o, "accepted");
+    if (!toks || !pars || !offs || !keys || !pris || !accd) goto done;
+    if (PyObject_GetBuffer(acc_o, &va, PyBUF_WRITABLE) < 0 || PyObject_GetBuffer(tr_o, &vt, PyBUF_WRITABLE) < 0)
+        goto done;
+    double *acc = (double *)va.buf, *trials = (double *)vt.buf;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(toks), na = PySequence_Fast_GET_SIZE(accd);
+    if (PySequence_Fast_GET_SIZE(pars) != n || PySequence_Fast_GET_SIZE(offs) != n + 1) {
+        PyErr_SetString(PyExc_ValueError, "tree arrays of different lengths");
+        goto done;
+    }
+    long node = -1, confirmed = 0;
+    while (confirmed < na) {
+        long want, next = -2, tested = 0;
+        if (long_at(accd, confirmed, &want) < 0) goto done;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long par, tok, lo, hi;
+            if (long_at(pars, i, &par) < 0) goto done;
+            if (par != node) continue;
+            if (long_at(toks, i, &tok) < 0 || long_at(offs, i, &lo) < 0 || long_at(offs, i + 1, &hi) < 0) goto done;
+            tested++;
+            int hit = tok == want;
+            if (hit) next = (long)i;
+            for (long e = lo; e < hi; e++) {
+                long key;
+                if (long_at(keys, e, &key) < 0) goto done;
+                if (key < 0 || key >= N_KEYS) { PyErr_SetString(PyExc_ValueError, "evidence key out of range"); goto done; }
+                double prior = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(pris, e));
+                if (prior == -1.0 && PyErr_Occurred()) goto done;
+                if (trials[key] == 0.0) { acc[key] = prior * strength; trials[key] = strength; }
+                acc[key] += hit ? 1.0 : 0.0;
+                trials[key] += 1.0;
+                if (trials[key] > horizon) { acc[key] *= 0.5; trials[key] *= 0.5; }
+            }
+        }
+        if (!tested || next < 0) break;
+        node = next;
+        confirmed++;
+    }
+    result = PyLong_FromLong(confirmed);
+done:
+    if (va.obj) PyBuffer_Release(&va);
+    if (vt.obj) PyBuffer_Release(&vt);
+    Py_XDECREF(toks); Py_XDECREF(pars); Py_XDECREF(offs); Py_XDECREF(keys); Py_XDECREF(pris); Py_XDECREF(accd);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"build", build, METH_VARARGS, "Best-first draft tree (see tree_builder.build_tree)."},
+    {"score", score, METH_VARARGS, "Record a draft's verification outcome (see tree_builder.score_draft)."},
     {NULL, NULL, 0, NULL},
 };
 

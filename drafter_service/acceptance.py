@@ -77,7 +77,7 @@ class AcceptanceModel:
         self.horizon = int(horizon)
         self.accepted = array.array("d", bytes(8 * N_KEYS))  # (N_KEYS,) float64 accepted pseudo-counts
         self.trials = array.array("d", bytes(8 * N_KEYS))  # (N_KEYS,) float64 trial pseudo-counts
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     def estimate(self, key: int, prior: float) -> float:
         """Current estimate for ``key``; ``prior`` until it has observations."""
@@ -89,7 +89,7 @@ class AcceptanceModel:
     def record(self, outcomes: Iterable[tuple[int, float, bool]]) -> None:
         """Add verification outcomes: (key, prior used for it, accepted?)."""
         acc, trials, strength = self.accepted, self.trials, self.prior_strength
-        with self._lock:
+        with self.lock:
             for key, prior, accepted in outcomes:
                 if trials[key] == 0.0:
                     acc[key] = prior * strength
@@ -102,12 +102,12 @@ class AcceptanceModel:
 
     def snapshot(self) -> dict[int, tuple[float, float]]:
         """The observed keys with (accepted, trials), for persistence and statistics."""
-        with self._lock:
+        with self.lock:
             return {k: (self.accepted[k], self.trials[k]) for k in range(N_KEYS) if self.trials[k] > 0}
 
     def load(self, stats: dict[int, tuple[float, float]]) -> None:
         """Replace the observations with ``stats`` as produced by ``snapshot``."""
-        with self._lock:
+        with self.lock:
             for k in range(N_KEYS):
                 self.accepted[k], self.trials[k] = stats.get(k, (0.0, 0.0))
 

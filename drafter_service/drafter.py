@@ -14,7 +14,7 @@ from drafter_service.errors import AlreadyExists, InvalidArgument, NotFound
 from drafter_service.session import DraftSession
 from drafter_service.tree import EMPTY_TREE, DraftTree
 from drafter_service.tree_builder import BuildLimits, RowsSource, TableSource, build_tree
-from store.ngram_table import FrozenNGramTable, LRUNGramTable
+from store.ngram_table import FrozenNGramTable, LRUNGramTable, NativeLRUTable
 from store.token_store import TokenStore
 
 logger = logging.getLogger(__name__)
@@ -60,15 +60,24 @@ class Drafter:
         Raises:
             InvalidArgument: on ids outside [0, vocab_size) or an empty array when not allowed.
         """
-        arr = np.asarray(values, dtype=np.int64).ravel()
-        if not allow_empty and arr.size == 0:
-            raise InvalidArgument(f"{what} is empty")
-        if arr.size:
+        if isinstance(values, (list, tuple)) and len(values) <= 256:  # the common small case, without numpy
+            if not values:
+                if not allow_empty:
+                    raise InvalidArgument(f"{what} is empty")
+                return np.zeros(0, dtype=np.int32)
+            lo, hi = min(values), max(values)
+            arr = None
+        else:
+            arr = np.asarray(values, dtype=np.int64).ravel()
+            if not allow_empty and arr.size == 0:
+                raise InvalidArgument(f"{what} is empty")
+            if arr.size == 0:
+                return arr.astype(np.int32)
             lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= self.config.vocab_size:
-                bad = lo if lo < 0 else hi
-                raise InvalidArgument(f"{what} holds token id {bad} outside [0, {self.config.vocab_size})")
-        return arr.astype(np.int32)
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InvalidArgument(f"{what} holds token id {bad} outside [0, {self.config.vocab_size})")
+        return np.array(values, dtype=np.int32) if arr is None else arr.astype(np.int32)
 
     def session(self, session_id: str) -> DraftSession:
         """The live session ``session_id``.
@@ -135,7 +144,10 @@ class Drafter:
                 rows.append(RowsSource(1, found.match_len, found.rows))
         tables: list[TableSource] = []
         if cfg.use_dynamic:
-            tables.append(TableSource(2, _LockedTable(self.dynamic, self._table_lock), cfg.table_branch))
+            # The native table's methods run whole under the GIL; the Python one needs the lock.
+            native = NativeLRUTable is not None and isinstance(self.dynamic, NativeLRUTable)
+            dynamic = self.dynamic if native else _LockedTable(self.dynamic, self._table_lock)
+            tables.append(TableSource(2, dynamic, cfg.table_branch))
         if cfg.use_frozen:
             tables.extend(TableSource(3, t, cfg.table_branch) for t in self.frozen.values())
         limits = BuildLimits(budget, cfg.max_depth, cfg.min_prob, cfg.branch)

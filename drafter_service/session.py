@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from drafter_service.tree import EMPTY_TREE, DraftTree
-from drafter_service.tree_builder import Evidence
+from drafter_service.tree_builder import Evidence, score_draft
 from store.match_kernels import continuations, scan_matches
 from store.token_store import EMPTY, Continuations
 
@@ -31,7 +31,7 @@ class DraftSession:
         self._len = int(prompt.size)
         self.max_nodes = int(max_nodes)
         self._last_tree: DraftTree = EMPTY_TREE
-        self._last_evidence: list[list[Evidence]] = []
+        self._last_evidence: Evidence | None = None
         self._ema_accepted = 1.0  # accepted draft tokens per step, exponentially averaged
         self.steps = 0
         self.drafted = 0
@@ -78,26 +78,10 @@ class DraftSession:
 
     def _score_last_draft(self, accepted: np.ndarray) -> int:
         tree, evidence = self._last_tree, self._last_evidence
-        self._last_tree, self._last_evidence = EMPTY_TREE, []
-        if not len(tree):
+        self._last_tree, self._last_evidence = EMPTY_TREE, None
+        if not len(tree) or evidence is None:
             return 0
-        kids = tree.children()
-        outcomes = []
-        node, n_acc = -1, 0
-        acc = accepted.tolist()
-        while True:
-            level = kids.get(node)
-            if not level:
-                break
-            nxt = level.get(acc[n_acc]) if n_acc < len(acc) else None
-            if n_acc < len(acc):  # the children of an accepted node were all tested against one token
-                for tok, child in level.items():
-                    for key, prior in evidence[child]:
-                        outcomes.append((key, prior, child == nxt))
-            if nxt is None:
-                break
-            node, n_acc = nxt, n_acc + 1
-        self.drafter.model.record(outcomes)
+        n_acc = score_draft(tree, evidence, accepted.tolist(), self.drafter.model)
         self.steps += 1
         self.drafted += len(tree)
         self.accepted += n_acc
@@ -115,6 +99,15 @@ class DraftSession:
 
     def lookup(self, max_match: int, max_occurrences: int, depth: int) -> Continuations:
         """Prompt lookup: what followed earlier occurrences of the sequence's end inside this request."""
+        import store.match_kernels as kernels  # cached in sys.modules: a dictionary lookup
+
+        native = kernels.native
+        if native is not None:
+            found = native.session_lookup(self._tokens, self._len, max_match, max_occurrences, depth)
+            if found is None:
+                return EMPTY
+            if found is not NotImplemented:
+                return Continuations(*found)
         n = self._len
         if n < 2:
             return EMPTY
@@ -127,6 +120,6 @@ class DraftSession:
         ends = ends[::-1]
         return Continuations(m, counts, continuations(self._tokens, ends + 1, depth, n))
 
-    def remember(self, tree: DraftTree, evidence: list[list[Evidence]]) -> None:
+    def remember(self, tree: DraftTree, evidence: Evidence) -> None:
         """Keep the draft just served so the next ``extend`` can score it."""
         self._last_tree, self._last_evidence = tree, evidence

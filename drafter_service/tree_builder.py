@@ -124,7 +124,7 @@ def build_tree(context: Sequence[int], rows_sources: Sequence[RowsSource], table
         tokens, parents, probs, kinds, offsets, keys, priors = out
         if not tokens:
             return EMPTY_TREE, ((0,), (), ())
-        names = tuple(SOURCE_NAMES[k] for k in kinds)
+        names = tuple(map(SOURCE_NAMES.__getitem__, kinds))
         return DraftTree(tokens, parents, probs, float(sum(probs)), names), (offsets, keys, priors)
     return _build_python(context, rows_sources, table_sources, model, limits, leader_len)
 
@@ -268,7 +268,8 @@ def _build_python(context: Sequence[int], rows_sources: Sequence[RowsSource], ta
     return tree, (offsets, all_keys, all_priors)
 
 
-def score_draft(tree: DraftTree, evidence: Evidence, accepted: Sequence[int], model: AcceptanceModel) -> int:
+def score_draft(tree: DraftTree, evidence: Evidence, accepted: Sequence[int], model: AcceptanceModel,
+                native: bool = True) -> int:
     """Record how a draft fared and return how many of its tokens ``accepted`` confirmed.
 
     Every child of the root and of each confirmed node was tested against one token; each of its
@@ -277,6 +278,10 @@ def score_draft(tree: DraftTree, evidence: Evidence, accepted: Sequence[int], mo
     if not len(tree) or not len(accepted):
         return 0
     offsets, keys, priors = evidence
+    if native and _native is not None:
+        with model.lock:
+            return _native.score(tree.token_ids, tree.parents, offsets, keys, priors, accepted, model.accepted,
+                                 model.trials, model.prior_strength, float(model.horizon))
     kids = tree.children()
     outcomes = []
     node, n_acc = -1, 0

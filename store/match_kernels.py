@@ -2,10 +2,40 @@
 
 from __future__ import annotations
 
+import logging
+import os
+from types import ModuleType
+
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 CHUNK = 8
 """Tokens compared per vectorised step when extending matches."""
+
+try:
+    from store import _kernels as _compiled
+except ImportError:  # the extension is optional: numpy below is the reference and the fallback
+    _compiled = None
+    logger.debug("store._kernels is not built; lookups use numpy")
+
+compiled: ModuleType | None = _compiled
+"""The C extension ``store._kernels`` when it was built and imports, whether or not it is in use."""
+
+native: ModuleType | None = None if os.environ.get("DRAFTER_PURE_PYTHON", "") not in ("", "0") else _compiled
+"""The extension when lookups use it; None when they run on numpy (``DRAFTER_PURE_PYTHON=1``, or not built).
+
+The native entry points return ``NotImplemented`` for arguments they do not handle, and the callers then
+run the numpy code, so both paths always give the same results.
+"""
+
+
+def use_native(enabled: bool) -> bool:
+    """Route lookups to the C extension (when built) or to numpy; returns whether native was in use."""
+    global native
+    before = native is not None
+    native = _compiled if enabled else None
+    return before
 
 
 def pack_pattern(prefix_rev: np.ndarray, bits: int, tokens_per_key: int) -> tuple[np.ndarray, np.ndarray]:
@@ -42,6 +72,16 @@ def extend_matches(ring_data: np.ndarray, ends: np.ndarray, context_rev: np.ndar
         (m, counts, ends): the longest match m, counts[i] = candidates matching at least matched + i + 1
         tokens for i < m - matched, and the candidates that match m tokens.
     """
+    if native is not None:
+        found = native.extend_matches(ring_data, ends, context_rev, matched, limit, oldest)
+        if found is not NotImplemented:
+            return found
+    return extend_matches_numpy(ring_data, ends, context_rev, matched, limit, oldest)
+
+
+def extend_matches_numpy(ring_data: np.ndarray, ends: np.ndarray, context_rev: np.ndarray, matched: int,
+                         limit: int, oldest: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """The numpy reference of ``extend_matches``."""
     cap = ring_data.size
     ends = ends[ends - (matched - 1) >= oldest]
     more: list[int] = []
@@ -70,6 +110,16 @@ def scan_matches(ring_data: np.ndarray, start: int, stop: int, context_rev: np.n
 
     Returns the same triple as ``extend_matches`` with counts starting at one token.
     """
+    if native is not None:
+        found = native.scan_matches(ring_data, start, stop, context_rev, limit, oldest)
+        if found is not NotImplemented:
+            return found
+    return scan_matches_numpy(ring_data, start, stop, context_rev, limit, oldest)
+
+
+def scan_matches_numpy(ring_data: np.ndarray, start: int, stop: int, context_rev: np.ndarray, limit: int,
+                       oldest: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """The numpy reference of ``scan_matches``."""
     if stop <= start or context_rev.size == 0 or limit <= 0:
         return 0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     cap = ring_data.size
@@ -85,7 +135,7 @@ def scan_matches(ring_data: np.ndarray, start: int, stop: int, context_rev: np.n
     if not ends.size:
         return 0, np.zeros(0, dtype=np.int64), ends
     first_count = ends.size
-    m, more, ends = extend_matches(ring_data, ends, context_rev, 1, limit, oldest)
+    m, more, ends = extend_matches_numpy(ring_data, ends, context_rev, 1, limit, oldest)
     return m, np.concatenate([np.array([first_count], dtype=np.int64), more]), ends
 
 
@@ -101,6 +151,15 @@ def continuations(ring_data: np.ndarray, starts: np.ndarray, depth: int, stop: i
     Returns:
         (k, depth) int32, -1 after a separator or past ``stop``.
     """
+    if native is not None:
+        rows = native.continuations(ring_data, starts, depth, stop)
+        if rows is not NotImplemented:
+            return rows
+    return continuations_numpy(ring_data, starts, depth, stop)
+
+
+def continuations_numpy(ring_data: np.ndarray, starts: np.ndarray, depth: int, stop: int) -> np.ndarray:
+    """The numpy reference of ``continuations``."""
     pos = starts[:, None] + np.arange(depth, dtype=np.int64)[None, :]
     rows = ring_data[pos % ring_data.size]
     rows = np.where(pos < stop, rows, -1)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
@@ -13,8 +14,10 @@ logger = logging.getLogger(__name__)
 Follower = tuple[int, ...]
 
 
-class LRUNGramTable:
+class PyLRUNGramTable:
     """The dynamic table: at most ``leader_capacity`` leaders, each with at most ``follower_capacity`` followers.
+
+    The pure-Python reference for the native ``store._lru.LRUTable``; ``LRUNGramTable`` is whichever is in use.
 
     Rules (Cacheback): inserting or querying a leader makes it the most recent leader; inserting a follower
     makes it the most recent follower of its leader; querying does not change followers' order. When full,
@@ -133,6 +136,21 @@ class LRUNGramTable:
             assert 1 <= len(followers) <= self.follower_capacity, f"leader {lead} holds {len(followers)} followers"
             for fol, count in followers.items():
                 assert len(fol) == self.follower_len and count >= 1, f"bad follower {fol} of {lead}"
+
+
+try:
+    from store._lru import LRUTable as NativeLRUTable
+except ImportError:  # not built
+    NativeLRUTable = None
+    logger.debug("store._lru is not built; the dynamic table is pure Python")
+
+if TYPE_CHECKING or NativeLRUTable is None or os.environ.get("DRAFTER_PURE_PYTHON", "") not in ("", "0"):
+    LRUNGramTable = PyLRUNGramTable
+else:
+    LRUNGramTable = NativeLRUTable
+"""The dynamic table in use: the native ``store._lru.LRUTable`` (same API and results, leaders and followers of
+at most 8 tokens, token ids in [0, 2**31)), or ``PyLRUNGramTable`` when it is not built or
+``DRAFTER_PURE_PYTHON=1``."""
 
 
 class FrozenNGramTable:

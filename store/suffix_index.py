@@ -83,6 +83,15 @@ class SuffixIndex:
             logger.warning("suffix index left to numpy matching: %s", exc)
             return None
 
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["native_index"] = None  # a handle over this process's arrays: rebuilt on unpickling
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.native_index = self._native_index()
+
     def __len__(self) -> int:
         return self.end - self.start
 

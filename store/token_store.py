@@ -77,7 +77,8 @@ class TokenStore:
         Args:
             capacity: ring buffer size in tokens.
             tail_tokens: unindexed tokens tolerated before the delta index is rebuilt.
-            delta_fraction: the main index is rebuilt when the delta index exceeds this share of it.
+            delta_fraction: the main index is rebuilt when what it misses (tokens after it) plus what it
+                still lists but the ring overwrote exceeds this share of it.
             max_candidates: occurrences per index examined when extending a match past one key.
             max_examined: occurrences of the longest match gathered before picking the most recent.
         """
@@ -114,7 +115,8 @@ class TokenStore:
         delta_len = (len(idx.delta) if idx.delta is not None else 0) + self.unindexed
         if self.unindexed < self.tail_tokens:
             return None
-        if idx.main is None or idx.main.start < self.ring.oldest or delta_len > self.delta_fraction * main_len:
+        overwritten = max(0, self.ring.oldest - idx.main.start) if idx.main is not None else 0
+        if idx.main is None or overwritten + delta_len > self.delta_fraction * main_len:
             return "main"
         return "delta"
 
@@ -158,7 +160,7 @@ class TokenStore:
         native = match_kernels.native
         if native is not None:
             ring, handles = self.ring, self._indexes.native
-            if handles is not None:
+            if handles is not None:  # the raw slots: ring.view() would cost a new array per call
                 found = native.store_lookup(context, ring._data, ring.oldest, ring.end, handles[0], handles[1],
                                             max_match, max_occurrences, depth, self.max_candidates,
                                             self.max_examined)

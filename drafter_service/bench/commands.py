@@ -17,6 +17,7 @@ from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter
 from drafter_service.bench.protocol import ReplayDrafter
 from drafter_service.bench.replay import CoreDrafter, ReplayResult, replay
 from drafter_service.config import DrafterConfig
+from store.ngram_table import FrozenNGramTable
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,10 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("--budget", type=int, action="append", default=[], help="tree budget in nodes (repeatable)")
     rp.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated peers among {', '.join(PEERS)}")
     rp.add_argument("--json", help="also write the results as JSON to this file")
+    rp.add_argument("--frozen-corpus", help="also run drafter with a frozen table built from the outputs of this "
+                    "data set or request file (requests --frozen-skip.. are used, to stay apart from the replay)")
+    rp.add_argument("--frozen-skip", type=int, default=0, help="corpus requests skipped first")
+    rp.add_argument("--frozen-limit", type=int, default=10000, help="corpus requests used")
     rp.set_defaults(func=run_replay)
     st = bench.add_parser("store", help="index size, rebuild time and draft latency with a large store")
     st.add_argument("--tokens", type=int, default=10_000_000, help="tokens to fill the store with")
@@ -69,10 +74,16 @@ def run_replay(args: argparse.Namespace) -> int:
     if any(b < 1 for b in budgets):
         raise SystemExit("--budget must be at least 1")
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    frozen = _frozen_table(args) if args.frozen_corpus else None
     results: list[ReplayResult] = []
     for name, reqs in _datasets(args):
         for budget in budgets:
-            drafters = [CoreDrafter()] + [d for d in map(_make_peer, peers) if d is not None]
+            drafters: list[ReplayDrafter] = [CoreDrafter()]
+            if frozen is not None:
+                warm = CoreDrafter(name="drafter+frozen")
+                warm.core.add_frozen(args.frozen_corpus, frozen)
+                drafters.append(warm)
+            drafters += [d for d in map(_make_peer, peers) if d is not None]
             for drafter in drafters:
                 with tqdm(total=len(reqs), desc=f"{name} b={budget} {drafter.name}", unit="req",
                           file=sys.stderr, leave=False) as bar:
@@ -84,18 +95,41 @@ def run_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _frozen_table(args: argparse.Namespace) -> FrozenNGramTable:
+    """Frozen table from the outputs of corpus requests [skip, skip + limit)."""
+    source = args.frozen_corpus
+    stop = args.frozen_skip + args.frozen_limit
+    if source in DATASET_NAMES:
+        reqs = load_dataset(source, stop)[args.frozen_skip:stop]
+    else:
+        reqs = list(read_requests(source))[args.frozen_skip:stop]
+    if not reqs:
+        raise SystemExit(f"no corpus requests in {source} after skipping {args.frozen_skip}")
+    t0 = time.perf_counter()
+    cfg = DrafterConfig()
+    table = FrozenNGramTable.build((r.output for r in reqs), cfg.leader_len, cfg.follower_len,
+                                   cfg.leader_capacity, cfg.follower_capacity)
+    logger.warning("frozen table from %d %s outputs (%d tokens): %d leaders in %.1f s", len(reqs), source,
+                   sum(r.output.size for r in reqs), len(table), time.perf_counter() - t0)
+    return table
+
+
+def _is_ours(name: str) -> bool:
+    return name.startswith("drafter")
+
+
 def format_table(results: Sequence[ReplayResult]) -> str:
     """Markdown table; ``vs best peer`` is drafter's MAT over the best peer's on the same set and budget."""
     best: dict[tuple[str, int], float] = {}
     for r in results:
-        if r.drafter != "drafter":
+        if not _is_ours(r.drafter):
             key = (r.dataset, r.budget)
             best[key] = max(best.get(key, 0.0), r.mat)
     lines = ["| data set | budget | drafter | MAT | vs best peer | steps with a hit | nodes/step | p50 µs | p99 µs |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         peer = best.get((r.dataset, r.budget))
-        ratio = f"{r.mat / peer:.2f}×" if r.drafter == "drafter" and peer else ""
+        ratio = f"{r.mat / peer:.2f}×" if _is_ours(r.drafter) and peer else ""
         lines.append(f"| {r.dataset} | {r.budget} | {r.drafter} | {r.mat:.3f} | {ratio} | {r.hit_rate:.1%} | "
                      f"{r.mean_nodes:.1f} | {r.p50_us:.0f} | {r.p99_us:.0f} |")
     return "\n".join(lines)

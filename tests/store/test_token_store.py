@@ -363,3 +363,17 @@ def test_counts_cover_every_length_and_occurrences_match_rows(docs: list[list[in
         assert found.occurrences == len(rows)
         assert all(a >= b for a, b in zip(counts, counts[1:]))
         store.rebuild("main")
+
+
+def test_full_ring_rebuilds_the_small_index_until_much_of_the_main_one_is_overwritten():
+    store = TokenStore(capacity=1000, tail_tokens=10, delta_fraction=0.25)
+    for _ in range(100):
+        store.append(list(range(9)))  # 10 slots each with the separator
+    assert store.rebuild() == "main"
+    store.append(list(range(19)))  # 20 new slots overwrite the 20 oldest
+    assert store.rebuild_due() == "delta"
+    assert store.rebuild() == "delta"
+    for _ in range(12):  # 120 + 20 new, as many overwritten: 280 > 0.25 * 1000
+        store.append(list(range(9)))
+    assert store.rebuild_due() == "main"
+    store.check_invariants()

@@ -1,0 +1,1260 @@
+/* Native kernels for the token store's lookups, with exactly the results of the numpy reference.
+ *
+ * The reference lives in store/match_kernels.py (scan_matches, extend_matches, continuations),
+ * store/suffix_index.py (SuffixIndex.match), store/token_store.py (TokenStore.lookup) and
+ * drafter_service/session.py (DraftSession.lookup). Arrays arrive through the buffer protocol; result
+ * arrays are created with numpy.empty and filled in place. Every entry point returns NotImplemented for
+ * arguments it does not handle (unusual dtypes, negative or out-of-range token ids in a context,
+ * budgets below one, ...), and the caller then runs the numpy reference, so both paths always agree.
+ * The GIL is held throughout: calls take microseconds.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PREFETCH_AHEAD 32
+#define STACK_TOKENS 256
+
+static PyObject *np_empty;  /* numpy.empty */
+static PyObject *dtype_i64; /* numpy.dtype("int64") */
+static PyObject *dtype_i32; /* numpy.dtype("int32") */
+
+/* ---- small helpers -------------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t *v;
+    Py_ssize_t n, cap;
+} Vec;
+
+static int vec_reserve(Vec *a, Py_ssize_t need) {
+    if (need <= a->cap) return 0;
+    Py_ssize_t c = a->cap ? a->cap : 64;
+    while (c < need) c *= 2;
+    int64_t *p = PyMem_Realloc(a->v, (size_t)c * sizeof(int64_t));
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    a->v = p;
+    a->cap = c;
+    return 0;
+}
+
+static inline int vec_push(Vec *a, int64_t x) {
+    if (a->n == a->cap && vec_reserve(a, a->n + 1) < 0) return -1;
+    a->v[a->n++] = x;
+    return 0;
+}
+
+static void vec_free(Vec *a) {
+    PyMem_Free(a->v);
+    a->v = NULL;
+    a->n = a->cap = 0;
+}
+
+static inline int64_t floor_mod(int64_t a, int64_t m) {
+    int64_t r = a % m;
+    return r < 0 ? r + m : r;
+}
+
+/* The ring buffer's slots: absolute position p lives in slot p mod cap. ``base`` is a multiple of cap
+ * near the positions read, so most slots are found by a subtraction instead of a division. */
+typedef struct {
+    const int32_t *d;
+    int64_t cap;
+    int64_t base;
+} Ring;
+
+static inline int64_t ring_slot(const Ring *r, int64_t pos) {
+    uint64_t s = (uint64_t)(pos - r->base);
+    if (s < (uint64_t)r->cap) return (int64_t)s;
+    if (s < 2 * (uint64_t)r->cap) return (int64_t)s - r->cap;
+    return floor_mod(pos, r->cap);
+}
+
+static inline void ring_set_base(Ring *r, int64_t near) {
+    r->base = near - floor_mod(near, r->cap);
+}
+
+/* Reads a Python int into *out; 0 when it is not an int or does not fit in int64 (no error left set). */
+static int get_i64(PyObject *o, int64_t *out) {
+    if (!PyLong_Check(o)) return 0;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = (int64_t)v;
+    return 1;
+}
+
+/* Element kinds of integer buffers: itemsize, negated for unsigned types; 0 when unsupported. */
+static int int_kind(const Py_buffer *v) {
+    const char *f = v->format ? v->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<') f++;
+    else if (*f == '>' || *f == '!') return 0;
+#if PY_BIG_ENDIAN
+    if (v->format && v->format[0] == '<') return 0;
+#endif
+    if (f[0] == '\0' || f[1] != '\0') return 0;
+    int sgn;
+    switch (f[0]) {
+        case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': sgn = 1; break;
+        case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': sgn = -1; break;
+        default: return 0;
+    }
+    Py_ssize_t s = v->itemsize;
+    if (s != 1 && s != 2 && s != 4 && s != 8) return 0;
+    if (sgn < 0 && s == 8) return 0; /* may not fit in int64 */
+    return (int)(sgn * s);
+}
+
+static inline int64_t read_int(const char *p, int kind) {
+    switch (kind) {
+        case 1: { int8_t x; memcpy(&x, p, 1); return x; }
+        case 2: { int16_t x; memcpy(&x, p, 2); return x; }
+        case 4: { int32_t x; memcpy(&x, p, 4); return x; }
+        case 8: { int64_t x; memcpy(&x, p, 8); return x; }
+        case -1: { uint8_t x; memcpy(&x, p, 1); return x; }
+        case -2: { uint16_t x; memcpy(&x, p, 2); return x; }
+        default: { uint32_t x; memcpy(&x, p, 4); return x; }
+    }
+}
+
+/* A one-dimensional integer array. */
+typedef struct {
+    Py_buffer view;
+    int held;
+    int kind;
+    Py_ssize_t n, stride;
+} IntArg;
+
+/* 1: acquired; 0: not a 1-D integer buffer (no error set). */
+static int int_arg(PyObject *o, IntArg *a) {
+    a->held = 0;
+    if (!PyObject_CheckBuffer(o)) return 0;
+    if (PyObject_GetBuffer(o, &a->view, PyBUF_RECORDS_RO) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    a->held = 1;
+    a->kind = int_kind(&a->view);
+    if (a->view.ndim != 1 || a->kind == 0) return 0;
+    a->n = a->view.shape[0];
+    a->stride = a->view.strides[0];
+    return 1;
+}
+
+static inline int64_t int_at(const IntArg *a, Py_ssize_t i) {
+    return read_int((const char *)a->view.buf + i * a->stride, a->kind);
+}
+
+static void int_release(IntArg *a) {
+    if (a->held) PyBuffer_Release(&a->view);
+    a->held = 0;
+}
+
+/* 1: a C-contiguous 1-D int32 array (the ring buffer, a session's tokens) of at least one slot. */
+static int ring_arg(PyObject *o, IntArg *a) {
+    if (!int_arg(o, a)) return 0;
+    return a->kind == 4 && a->stride == 4 && a->n > 0;
+}
+
+/* A new C-contiguous numpy array; *data points at its first element. */
+static PyObject *new_array(PyObject *dtype, Py_ssize_t d0, Py_ssize_t d1, int ndim, void **data) {
+    PyObject *shape = ndim == 1 ? PyLong_FromSsize_t(d0) : Py_BuildValue("(nn)", d0, d1);
+    if (shape == NULL) return NULL;
+    PyObject *args[2] = {shape, dtype};
+    PyObject *arr = PyObject_Vectorcall(np_empty, args, 2, NULL);
+    Py_DECREF(shape);
+    if (arr == NULL) return NULL;
+    Py_buffer v;
+    if (PyObject_GetBuffer(arr, &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    *data = v.buf;
+    PyBuffer_Release(&v); /* numpy keeps the data in place while the array lives */
+    return arr;
+}
+
+static PyObject *i64_array(const int64_t *src, Py_ssize_t n) {
+    void *data;
+    PyObject *arr = new_array(dtype_i64, n, 0, 1, &data);
+    if (arr != NULL && n) memcpy(data, src, (size_t)n * sizeof(int64_t));
+    return arr;
+}
+
+static PyObject *not_implemented(void) {
+    Py_RETURN_NOTIMPLEMENTED;
+}
+
+/* ---- the kernels ---------------------------------------------------------------------------------- */
+
+/* Tokens matched at the occurrence ending at ``e``: ctx[j] == token at e - j for j in [from, result),
+ * stopping at ``limit`` and below ``oldest``. */
+static inline int64_t run_length(const Ring *r, int64_t e, const int64_t *ctx, int64_t from, int64_t limit,
+                                 int64_t oldest) {
+    int64_t j = from, pos = e - from;
+    if (j >= limit || pos < oldest) return j;
+    int64_t avail = pos - oldest + 1; /* positions pos, pos - 1, ..., oldest */
+    if (avail > limit - j) avail = limit - j;
+    int64_t slot = ring_slot(r, pos);
+    while (avail > 0) {
+        int64_t run = slot + 1 < avail ? slot + 1 : avail; /* slots slot, slot - 1, ... without wrapping */
+        const int32_t *p = r->d + slot;
+        const int64_t *c = ctx + j;
+        for (int64_t t = 0; t < run; t++)
+            if ((int64_t)p[-t] != c[t]) return j + t;
+        j += run;
+        avail -= run;
+        slot = r->cap - 1;
+    }
+    return j;
+}
+
+/* extend_matches: keeps in ``ends`` the candidates matching the most tokens, in their order, and
+ * returns that length (0 when no candidate is still held, -1 on error). more[i] (i < result - matched)
+ * counts the candidates matching at least matched + i + 1 tokens. ctx holds at least ``limit`` tokens. */
+static int64_t extend_core(const Ring *r, Vec *ends, const int64_t *ctx, int64_t matched, int64_t limit,
+                           int64_t oldest, int64_t *more, Vec *lens) {
+    Py_ssize_t c = ends->n, w = 0;
+    int64_t *e = ends->v;
+    for (Py_ssize_t i = 0; i < c; i++)
+        if (e[i] - (matched - 1) >= oldest) e[w++] = e[i];
+    ends->n = w;
+    if (w == 0) return 0;
+    if (matched >= limit) return matched;
+    if (vec_reserve(lens, w) < 0) return -1;
+    int64_t *len = lens->v, best = matched;
+    for (Py_ssize_t i = 0; i < w && i < PREFETCH_AHEAD; i++) __builtin_prefetch(r->d + ring_slot(r, e[i] - matched));
+    for (Py_ssize_t i = 0; i < w; i++) {
+        if (i + PREFETCH_AHEAD < w) __builtin_prefetch(r->d + ring_slot(r, e[i + PREFETCH_AHEAD] - matched));
+        int64_t l = run_length(r, e[i], ctx, matched, limit, oldest);
+        len[i] = l;
+        if (l > best) best = l;
+    }
+    int64_t span = best - matched;
+    if (span) {
+        memset(more, 0, (size_t)span * sizeof(int64_t));
+        for (Py_ssize_t i = 0; i < w; i++)
+            if (len[i] > matched) more[len[i] - matched - 1]++;
+        for (int64_t j = span - 2; j >= 0; j--) more[j] += more[j + 1];
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < w; i++)
+        if (len[i] == best) e[k++] = e[i];
+    ends->n = k;
+    return best;
+}
+
+/* Appends base + i for every i in [0, n) with a[i] == t, ascending, skipping positions below oldest. */
+static int find_all(const int32_t *a, Py_ssize_t n, int32_t t, int64_t base, int64_t oldest, Vec *out) {
+    Py_ssize_t i = 0;
+    if (base < oldest) { /* positions ascend with i: only a prefix lies below oldest */
+        int64_t skip = oldest - base;
+        if (skip >= n) return 0;
+        i = (Py_ssize_t)skip;
+    }
+    for (; i + 16 <= n; i += 16) {
+        unsigned mask = 0;
+        for (int k = 0; k < 16; k++) mask |= (unsigned)(a[i + k] == t) << k;
+        while (mask) {
+            int k = __builtin_ctz(mask);
+            mask &= mask - 1;
+            if (vec_push(out, base + i + k) < 0) return -1;
+        }
+    }
+    for (; i < n; i++)
+        if (a[i] == t && vec_push(out, base + i) < 0) return -1;
+    return 0;
+}
+
+/* ---- the suffix index handle ---------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer keys_view, sa_view;
+    int held;  /* bit 0: keys_view, bit 1: sa_view */
+    int ready; /* initialised and checked */
+    const uint64_t *keys; /* (n,) sorted packed keys */
+    const int32_t *sa;    /* (n,) reversed-suffix starts: entry i ends at position end - 1 - sa[i] */
+    Py_ssize_t n;
+    int64_t start, end;
+    int bits, tpk;
+    Py_ssize_t *first;  /* (2**bits + 1,) keys before each first digit, or NULL for wide tokens */
+    int32_t *inv;       /* (ninv,) suffix-array entry of the occurrence ending at position start + q */
+    Py_ssize_t ninv;
+    /* Entries ending at positions start + [0, marked) (the oldest, overwritten first), as a bitmap over
+     * suffix-array entries with per-block counts; allocated on first use. */
+    uint64_t *dead;     /* (nwords,) */
+    uint16_t *dead_blk; /* (nwords / 8,) set bits per 512 entries */
+    Py_ssize_t nwords;
+    int64_t marked;
+} IndexObject;
+
+#define FIRST_TABLE_MAX_BITS 18
+#define BLOCK_WORDS 8
+
+static void index_dealloc(IndexObject *self) {
+    PyMem_Free(self->first);
+    PyMem_Free(self->inv);
+    PyMem_Free(self->dead);
+    PyMem_Free(self->dead_blk);
+    if (self->held & 1) PyBuffer_Release(&self->keys_view);
+    if (self->held & 2) PyBuffer_Release(&self->sa_view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int index_init(IndexObject *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"keys", "sa", "start", "end", "bits", "tokens_per_key", "inverse", NULL};
+    PyObject *keys, *sa;
+    long long start, end;
+    int bits, tpk;
+    Py_ssize_t ninv = 0;
+    if (self->held) {
+        PyErr_SetString(PyExc_TypeError, "Index is already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOLLii|n", names, &keys, &sa, &start, &end, &bits, &tpk,
+                                     &ninv))
+        return -1;
+    if (PyObject_GetBuffer(keys, &self->keys_view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    self->held |= 1;
+    if (PyObject_GetBuffer(sa, &self->sa_view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    self->held |= 2;
+    const char *kf = self->keys_view.format ? self->keys_view.format : "B";
+    if (*kf == '@' || *kf == '=' || *kf == '<') kf++;
+    if (self->keys_view.ndim != 1 || self->keys_view.itemsize != 8 || (kf[0] != 'Q' && kf[0] != 'L') ||
+        kf[1] != '\0') {
+        PyErr_SetString(PyExc_TypeError, "keys must be a contiguous 1-D uint64 array");
+        return -1;
+    }
+    if (self->sa_view.ndim != 1 || int_kind(&self->sa_view) != 4) {
+        PyErr_SetString(PyExc_TypeError, "sa must be a contiguous 1-D int32 array");
+        return -1;
+    }
+    Py_ssize_t n = self->keys_view.shape[0];
+    if (self->sa_view.shape[0] != n || end - start != n) {
+        PyErr_SetString(PyExc_ValueError, "keys, sa and [start, end) differ in length");
+        return -1;
+    }
+    if (bits < 1 || bits > 32 || tpk < 1 || (long long)bits * tpk > 64) {
+        PyErr_SetString(PyExc_ValueError, "unsupported key layout");
+        return -1;
+    }
+    self->keys = (const uint64_t *)self->keys_view.buf;
+    self->sa = (const int32_t *)self->sa_view.buf;
+    self->n = n;
+    self->start = start;
+    self->end = end;
+    self->bits = bits;
+    self->tpk = tpk;
+    if (bits <= FIRST_TABLE_MAX_BITS) {
+        Py_ssize_t digits = (Py_ssize_t)1 << bits;
+        self->first = PyMem_Calloc((size_t)digits + 1, sizeof(Py_ssize_t));
+        if (self->first == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        int shift = bits * (tpk - 1);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t d = self->keys[i] >> shift;
+            if (d >= (uint64_t)digits) {
+                PyErr_SetString(PyExc_ValueError, "key wider than the key layout");
+                return -1;
+            }
+            self->first[d + 1]++;
+        }
+        for (Py_ssize_t d = 0; d < digits; d++) self->first[d + 1] += self->first[d];
+    }
+    if (ninv < 0) ninv = 0;
+    if (ninv > n) ninv = n;
+    if (ninv) {
+        self->inv = PyMem_Malloc((size_t)ninv * sizeof(int32_t));
+        if (self->inv == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memset(self->inv, 0xff, (size_t)ninv * sizeof(int32_t));
+        const int32_t *s = self->sa;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t q = n - 1 - (Py_ssize_t)s[i];
+            if (q >= 0 && q < ninv) self->inv[q] = (int32_t)i;
+        }
+        for (Py_ssize_t q = 0; q < ninv; q++)
+            if (self->inv[q] < 0) {
+                PyErr_SetString(PyExc_ValueError, "sa is not a permutation of its positions");
+                return -1;
+            }
+    }
+    self->ninv = ninv;
+    self->ready = 1;
+    return 0;
+}
+
+static PyObject *index_nbytes(IndexObject *self, void *closure) {
+    Py_ssize_t b = self->ninv * (Py_ssize_t)sizeof(int32_t);
+    if (self->first) b += (((Py_ssize_t)1 << self->bits) + 1) * (Py_ssize_t)sizeof(Py_ssize_t);
+    if (self->dead) b += self->nwords * 8 + (self->nwords / BLOCK_WORDS + 1) * 2;
+    return PyLong_FromSsize_t(b);
+}
+
+static PyGetSetDef index_getset[] = {
+    {"nbytes", (getter)index_nbytes, NULL, "memory held beyond the index's own arrays", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject IndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "store._kernels.Index",
+    .tp_basicsize = sizeof(IndexObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = PyDoc_STR("Index(keys, sa, start, end, bits, tokens_per_key, inverse=0): a suffix index's "
+                        "arrays held for native matching (keeps them alive). The ``inverse`` oldest "
+                        "positions get an inverse suffix array, so that lookups skip them cheaply once "
+                        "they are overwritten."),
+    .tp_getset = index_getset,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)index_init,
+    .tp_dealloc = (destructor)index_dealloc,
+};
+
+/* Set bits of x (the builtin is a library call unless the build targets a CPU with popcnt). */
+static inline int popcount64(uint64_t x) {
+#ifdef __POPCNT__
+    return __builtin_popcountll(x);
+#else
+    x = x - ((x >> 1) & 0x5555555555555555ULL);
+    x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
+    x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
+    return (int)((x * 0x0101010101010101ULL) >> 56);
+#endif
+}
+
+/* Marks exactly the entries ending at positions start + [0, want) dead; want <= ninv. */
+static int dead_sync(IndexObject *ix, int64_t want) {
+    if (ix->dead == NULL) {
+        if (want == 0) return 0;
+        ix->nwords = (ix->n + 63) / 64;
+        ix->dead = PyMem_Calloc((size_t)ix->nwords, sizeof(uint64_t));
+        ix->dead_blk = PyMem_Calloc((size_t)(ix->nwords / BLOCK_WORDS + 1), sizeof(uint16_t));
+        ix->marked = 0;
+        if (ix->dead == NULL || ix->dead_blk == NULL) {
+            PyMem_Free(ix->dead);
+            PyMem_Free(ix->dead_blk);
+            ix->dead = NULL;
+            ix->dead_blk = NULL;
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    while (ix->marked < want) {
+        int32_t e = ix->inv[ix->marked++];
+        ix->dead[e >> 6] |= (uint64_t)1 << (e & 63);
+        ix->dead_blk[e >> 9]++;
+    }
+    while (ix->marked > want) {
+        int32_t e = ix->inv[--ix->marked];
+        ix->dead[e >> 6] &= ~((uint64_t)1 << (e & 63));
+        ix->dead_blk[e >> 9]--;
+    }
+    return 0;
+}
+
+/* Dead entries in [a, b). */
+static Py_ssize_t dead_in(const IndexObject *ix, Py_ssize_t a, Py_ssize_t b) {
+    if (ix->dead == NULL || a >= b || ix->marked == 0) return 0;
+    const uint64_t *d = ix->dead;
+    Py_ssize_t wa = a >> 6, wb = b >> 6;
+    uint64_t lead = ~(uint64_t)0 << (a & 63);
+    if (wa == wb) return popcount64(d[wa] & lead & (((uint64_t)1 << (b & 63)) - 1));
+    Py_ssize_t c = popcount64(d[wa] & lead), w = wa + 1;
+    for (; w < wb && (w % BLOCK_WORDS); w++) c += popcount64(d[w]);
+    Py_ssize_t blocks = (wb - w) / BLOCK_WORDS, b0 = w / BLOCK_WORDS;
+    for (Py_ssize_t i = 0; i < blocks; i++) c += ix->dead_blk[b0 + i];
+    for (w += blocks * BLOCK_WORDS; w < wb; w++) c += popcount64(d[w]);
+    if (b & 63) c += popcount64(d[wb] & (((uint64_t)1 << (b & 63)) - 1));
+    return c;
+}
+
+/* Index of the k-th (from 0) set bit of x, which has more than k. */
+static inline int select_bit(uint64_t x, Py_ssize_t k) {
+    if (x == ~(uint64_t)0) return (int)k;
+    uint64_t c = x - ((x >> 1) & 0x5555555555555555ULL);
+    c = (c & 0x3333333333333333ULL) + ((c >> 2) & 0x3333333333333333ULL);
+    c = ((c + (c >> 4)) & 0x0f0f0f0f0f0f0f0fULL) * 0x0101010101010101ULL; /* byte i: bits in bytes 0..i */
+    int byte = 0;
+    while ((Py_ssize_t)((c >> (8 * byte)) & 0xff) <= k) byte++;
+    if (byte) k -= (Py_ssize_t)((c >> (8 * (byte - 1))) & 0xff);
+    x >>= 8 * byte;
+    while (k--) x &= x - 1;
+    return 8 * byte + __builtin_ctzll(x);
+}
+
+/* Live entries among the 64 of a dead-bitmap word. */
+static inline int live_in_word(uint64_t dead) { return dead ? 64 - popcount64(dead) : 64; }
+
+/* Suffix-array index of the k-th (from 0) live entry at or after p; one exists before the range's end. */
+static Py_ssize_t live_select(const IndexObject *ix, Py_ssize_t p, Py_ssize_t k) {
+    const uint64_t *d = ix->dead;
+    Py_ssize_t w = p >> 6;
+    uint64_t x = ~d[w] & (~(uint64_t)0 << (p & 63));
+    for (;;) {
+        Py_ssize_t c = popcount64(x);
+        if (k < c) return (w << 6) + select_bit(x, k);
+        k -= c;
+        w++;
+        if (w % BLOCK_WORDS == 0) break;
+        x = ~d[w];
+    }
+    for (Py_ssize_t b = w / BLOCK_WORDS;; b++, w += BLOCK_WORDS) {
+        Py_ssize_t c = 64 * BLOCK_WORDS - ix->dead_blk[b];
+        if (k < c) break;
+        k -= c;
+    }
+    for (;; w++) {
+        Py_ssize_t c = live_in_word(d[w]);
+        if (k < c) return (w << 6) + select_bit(~d[w], k);
+        k -= c;
+    }
+}
+
+/* A search result of one source: match length, counts, and the occurrences of the longest match in the
+ * reference's order: a list (ends), or lazily the live entries of the suffix-array range [lo, hi). */
+typedef struct {
+    int64_t m;
+    Py_ssize_t ncounts; /* entries of counts (m with the current reference) */
+    int64_t *counts;    /* caller's storage for at least max(limit, 1) entries */
+    int lazy;
+    const IndexObject *ix;
+    Py_ssize_t lo, hi, ndead; /* ndead > 0: skip the entries dead in ix */
+    Vec ends;
+} Seg;
+
+static inline Py_ssize_t seg_len(const Seg *s) { return s->lazy ? s->hi - s->lo - s->ndead : s->ends.n; }
+
+static void seg_init(Seg *s, int64_t *counts) {
+    memset(s, 0, sizeof(*s));
+    s->counts = counts;
+}
+
+static void seg_free(Seg *s) { vec_free(&s->ends); }
+
+/* Appends the segment's entries first, first + step, ... (positions) to out. */
+static int seg_sample(const Seg *s, Py_ssize_t first, Py_ssize_t step, Vec *out) {
+    Py_ssize_t len = seg_len(s);
+    if (first >= len) return 0;
+    Py_ssize_t cnt = (len - first + step - 1) / step;
+    if (vec_reserve(out, out->n + cnt) < 0) return -1;
+    int64_t *o = out->v + out->n;
+    if (!s->lazy) {
+        for (Py_ssize_t t = 0; t < cnt; t++) o[t] = s->ends.v[first + t * step];
+    } else {
+        const int32_t *sa = s->ix->sa;
+        int64_t top = s->ix->end - 1;
+        if (s->ndead == 0) {
+            Py_ssize_t p0 = s->lo + first;
+            for (Py_ssize_t t = 0; t < cnt; t++) {
+                if (t + PREFETCH_AHEAD < cnt) __builtin_prefetch(sa + p0 + (t + PREFETCH_AHEAD) * step);
+                o[t] = top - (int64_t)sa[p0 + t * step];
+            }
+        } else {
+            Py_ssize_t p = live_select(s->ix, s->lo, first);
+            for (Py_ssize_t t = 0; t < cnt; t++) {
+                o[t] = p; /* suffix-array indices first, then the (prefetched) reads */
+                __builtin_prefetch(sa + p);
+                if (t + 1 < cnt) p = live_select(s->ix, p + 1, step - 1);
+            }
+            for (Py_ssize_t t = 0; t < cnt; t++) o[t] = top - (int64_t)sa[o[t]];
+        }
+    }
+    out->n += cnt;
+    return 0;
+}
+
+/* scan_matches over positions [start, stop); ctx holds at least ``limit`` tokens when limit > 0. */
+static int scan_core(const Ring *r, int64_t start, int64_t stop, const int64_t *ctx, Py_ssize_t clen,
+                     int64_t limit, int64_t oldest, Seg *out, Vec *lens) {
+    out->m = 0;
+    out->ncounts = 0;
+    out->lazy = 0;
+    out->ends.n = 0;
+    if (stop <= start || clen == 0 || limit <= 0) return 0;
+    int64_t cap = r->cap, first = ctx[0];
+    int64_t lo = floor_mod(start, cap), hi = floor_mod(stop - 1, cap) + 1;
+    if (first >= INT32_MIN && first <= INT32_MAX) {
+        int32_t t = (int32_t)first;
+        if (lo < hi) {
+            if (find_all(r->d + lo, hi - lo, t, start, oldest, &out->ends) < 0) return -1;
+        } else {
+            if (find_all(r->d + lo, cap - lo, t, start, oldest, &out->ends) < 0) return -1;
+            if (find_all(r->d, hi, t, start + (cap - lo), oldest, &out->ends) < 0) return -1;
+        }
+    }
+    if (out->ends.n == 0) return 0;
+    out->counts[0] = out->ends.n;
+    int64_t m = extend_core(r, &out->ends, ctx, 1, limit, oldest, out->counts + 1, lens);
+    if (m < 0) return -1;
+    out->m = m;
+    out->ncounts = m;
+    return 0;
+}
+
+static inline Py_ssize_t lower_bound(const uint64_t *a, Py_ssize_t lo, Py_ssize_t hi, uint64_t x) {
+    while (lo < hi) {
+        Py_ssize_t mid = lo + ((hi - lo) >> 1);
+        if (a[mid] < x) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static inline Py_ssize_t upper_bound(const uint64_t *a, Py_ssize_t lo, Py_ssize_t hi, uint64_t x) {
+    while (lo < hi) {
+        Py_ssize_t mid = lo + ((hi - lo) >> 1);
+        if (a[mid] <= x) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* Lower bounds of lows[i] and upper bounds of highs[i] in keys[lo, hi) (hi > lo), all searches in
+ * lockstep so that their memory reads overlap. */
+static void bounds_lockstep(const uint64_t *keys, Py_ssize_t lo, Py_ssize_t hi, const uint64_t *lows,
+                            const uint64_t *highs, int n, Py_ssize_t *lb, Py_ssize_t *ub) {
+    const uint64_t *bl[64], *bu[64];
+    for (int i = 0; i < n; i++) bl[i] = bu[i] = keys + lo;
+    Py_ssize_t len = hi - lo;
+    while (len > 1) {
+        Py_ssize_t half = len >> 1;
+        for (int i = 0; i < n; i++) {
+            bl[i] = bl[i][half] < lows[i] ? bl[i] + half : bl[i];
+            bu[i] = bu[i][half] <= highs[i] ? bu[i] + half : bu[i];
+        }
+        len -= half;
+    }
+    for (int i = 0; i < n; i++) {
+        lb[i] = (bl[i] - keys) + (*bl[i] < lows[i]);
+        ub[i] = (bu[i] - keys) + (*bu[i] <= highs[i]);
+    }
+}
+
+/* SuffixIndex.match. ctx holds clen >= 1 tokens, all in [0, INT32_MAX]; max_match, max_candidates >= 1.
+ * The occurrences may stay a lazy suffix-array range (see Seg). */
+static int index_core(IndexObject *ix, const int64_t *ctx, Py_ssize_t clen, int64_t max_match, const Ring *r,
+                      int64_t oldest, int64_t max_candidates, Seg *out, Vec *lens) {
+    out->m = 0;
+    out->ncounts = 0;
+    out->lazy = 0;
+    out->ends.n = 0;
+    if (ix->n == 0 || clen == 0) return 0;
+    int64_t limit = max_match < clen ? max_match : clen;
+    int64_t k = ix->tpk < limit ? ix->tpk : limit;
+    int64_t unseen = ((int64_t)1 << ix->bits) - 1; /* token + 1 must stay below 1 << bits */
+    for (int64_t i = 0; i < k; i++)
+        if (ctx[i] >= unseen) {
+            k = i;
+            break;
+        }
+    if (k == 0) return 0;
+    /* keys of suffixes beginning with the first i + 1 tokens lie in [lows[i], highs[i]]; the ranges nest */
+    uint64_t lows[64], highs[64], value = 0;
+    for (int64_t i = 0; i < k; i++) {
+        value = (value << ix->bits) | (uint64_t)(ctx[i] + 1);
+        int shift = ix->bits * (int)(ix->tpk - i - 1);
+        lows[i] = value << shift;
+        highs[i] = ((value + 1) << shift) - 1;
+    }
+    Py_ssize_t los[64], his[64];
+    if (ix->first) {
+        los[0] = ix->first[ctx[0] + 1];
+        his[0] = ix->first[ctx[0] + 2];
+    } else {
+        los[0] = lower_bound(ix->keys, 0, ix->n, lows[0]);
+        his[0] = upper_bound(ix->keys, los[0], ix->n, highs[0]);
+    }
+    if (his[0] == los[0]) return 0;
+    int64_t m = 1;
+    out->counts[0] = his[0] - los[0];
+    if (k > 1) {
+        /* inside the first token's range the bounds of every longer prefix are those over all keys */
+        bounds_lockstep(ix->keys, los[0], his[0], lows + 1, highs + 1, (int)(k - 1), los + 1, his + 1);
+        for (; m < k && his[m] > los[m]; m++) out->counts[m] = his[m] - los[m];
+    }
+    int64_t top = ix->end - 1;
+    const int32_t *sa = ix->sa;
+    if (m == k && limit > k) {
+        Py_ssize_t lo = los[m - 1], hi = his[m - 1], size = hi - lo, step = 1;
+        if (size > max_candidates) step = (Py_ssize_t)((size + max_candidates - 1) / max_candidates);
+        Py_ssize_t cnt = (size + step - 1) / step;
+        if (vec_reserve(&out->ends, cnt) < 0) return -1;
+        for (Py_ssize_t t = 0; t < cnt; t++) {
+            if (t + PREFETCH_AHEAD < cnt) __builtin_prefetch(sa + lo + (t + PREFETCH_AHEAD) * step);
+            out->ends.v[t] = top - (int64_t)sa[lo + t * step];
+        }
+        out->ends.n = cnt;
+        int64_t longer = extend_core(r, &out->ends, ctx, m, limit, oldest, out->counts + m, lens);
+        if (longer < 0) return -1;
+        if (longer) {
+            out->m = out->ncounts = longer;
+            return 0;
+        }
+    }
+    /* Every key-level occurrence lies inside the snapshot; those ending below oldest + held - 1 were
+     * (partly) overwritten, and the longest match still held may be shorter. */
+    for (int64_t held = m; held > 0; held--) {
+        Py_ssize_t a = los[held - 1], b = his[held - 1];
+        int64_t over = oldest + (held - 1) - ix->start; /* occurrences ending at start + [0, over) drop */
+        if (over <= 0 || over <= ix->ninv) {
+            Py_ssize_t nd = 0;
+            if (over > 0) {
+                if (dead_sync(ix, over) < 0) return -1;
+                nd = dead_in(ix, a, b);
+                if (nd == b - a) continue;
+            }
+            out->m = out->ncounts = held;
+            out->lazy = 1;
+            out->ix = ix;
+            out->lo = a;
+            out->hi = b;
+            out->ndead = nd;
+            return 0;
+        }
+        if (vec_reserve(&out->ends, b - a) < 0) return -1;
+        Py_ssize_t c = 0;
+        for (Py_ssize_t p = a; p < b; p++) {
+            int64_t e = top - (int64_t)sa[p];
+            if (e - (held - 1) >= oldest) out->ends.v[c++] = e;
+        }
+        out->ends.n = c;
+        if (c) {
+            out->m = out->ncounts = held;
+            return 0;
+        }
+    }
+    return 0;
+}
+
+/* continuations: rows (k, depth) of the tokens after each start, -1 after a separator or from stop. */
+static void prefetch_rows(const Ring *r, const int64_t *starts, Py_ssize_t k) {
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int64_t slot = ring_slot(r, starts[i]);
+        __builtin_prefetch(r->d + slot);
+        if (slot + 16 < r->cap) __builtin_prefetch(r->d + slot + 16);
+    }
+}
+
+static void fill_rows(const Ring *r, const int64_t *starts, Py_ssize_t k, int64_t depth, int64_t stop,
+                      int32_t *rows) {
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int32_t *row = rows + i * depth;
+        int64_t pos = starts[i];
+        int64_t d = 0;
+        if (depth > 0 && pos < stop) {
+            int64_t slot = ring_slot(r, pos);
+            for (; d < depth && pos < stop; d++, pos++) {
+                int32_t v = r->d[slot];
+                if (v < 0) break;
+                row[d] = v;
+                if (++slot == r->cap) slot = 0;
+            }
+        }
+        for (; d < depth; d++) row[d] = -1;
+    }
+}
+
+/* ---- Python entry points -------------------------------------------------------------------------- */
+
+/* Copies a 1-D integer buffer's first n entries, reversed when ``reverse`` (ctx[j] = a[n - 1 - j]).
+ * Returns 0 when a value falls outside [lo, hi]. */
+static int copy_ints(const IntArg *a, Py_ssize_t from, Py_ssize_t n, int reverse, int64_t lo, int64_t hi,
+                     int64_t *dst) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int64_t v = int_at(a, reverse ? from + n - 1 - j : from + j);
+        if (v < lo || v > hi) return 0;
+        dst[j] = v;
+    }
+    return 1;
+}
+
+static PyObject *match_triple(int64_t m, const int64_t *counts, Py_ssize_t ncounts, const Seg *s) {
+    Vec ends = {0};
+    if (seg_sample(s, 0, 1, &ends) < 0) return NULL; /* before any call back into Python */
+    PyObject *out = NULL, *c = i64_array(counts, ncounts), *e = c ? i64_array(ends.v, ends.n) : NULL;
+    if (e != NULL) out = Py_BuildValue("(LNN)", (long long)m, c, e);
+    else Py_XDECREF(c);
+    vec_free(&ends);
+    return out;
+}
+
+PyDoc_STRVAR(scan_matches_doc,
+"scan_matches(ring_data, start, stop, context_rev, limit, oldest) -> (m, counts, ends) | NotImplemented\n\n"
+"Native store.match_kernels.scan_matches.");
+
+static PyObject *py_scan_matches(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) return not_implemented();
+    int64_t start, stop, limit, oldest;
+    if (!get_i64(args[1], &start) || !get_i64(args[2], &stop) || !get_i64(args[4], &limit) ||
+        !get_i64(args[5], &oldest))
+        return not_implemented();
+    IntArg ring = {0}, ctx = {0};
+    PyObject *res = NULL;
+    Vec lens = {0};
+    int64_t stack_ctx[STACK_TOKENS], stack_counts[STACK_TOKENS], *cv = stack_ctx, *counts = stack_counts;
+    Seg s;
+    seg_init(&s, NULL);
+    if (!ring_arg(args[0], &ring) || !int_arg(args[3], &ctx)) {
+        res = not_implemented();
+        goto done;
+    }
+    if (stop <= start || ctx.n == 0 || limit <= 0) {
+        res = match_triple(0, NULL, 0, &s);
+        goto done;
+    }
+    if (ctx.n < limit) {
+        res = not_implemented();
+        goto done;
+    }
+    if (limit > STACK_TOKENS) {
+        cv = PyMem_Malloc((size_t)limit * sizeof(int64_t));
+        counts = PyMem_Malloc((size_t)limit * sizeof(int64_t));
+        if (cv == NULL || counts == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    copy_ints(&ctx, 0, (Py_ssize_t)limit, 0, INT64_MIN, INT64_MAX, cv);
+    if (cv[0] < INT32_MIN || cv[0] > INT32_MAX) {
+        res = not_implemented();
+        goto done;
+    }
+    s.counts = counts;
+    Ring r = {(const int32_t *)ring.view.buf, ring.n, 0};
+    ring_set_base(&r, oldest);
+    if (scan_core(&r, start, stop, cv, ctx.n, limit, oldest, &s, &lens) < 0) goto done;
+    res = match_triple(s.m, counts, s.ncounts, &s);
+done:
+    int_release(&ring);
+    int_release(&ctx);
+    vec_free(&lens);
+    seg_free(&s);
+    if (cv != stack_ctx) PyMem_Free(cv);
+    if (counts != stack_counts) PyMem_Free(counts);
+    return res;
+}
+
+PyDoc_STRVAR(extend_matches_doc,
+"extend_matches(ring_data, ends, context_rev, matched, limit, oldest) -> (m, counts, ends) | NotImplemented\n\n"
+"Native store.match_kernels.extend_matches.");
+
+static PyObject *py_extend_matches(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) return not_implemented();
+    int64_t matched, limit, oldest;
+    if (!get_i64(args[3], &matched) || !get_i64(args[4], &limit) || !get_i64(args[5], &oldest))
+        return not_implemented();
+    IntArg ring = {0}, ends = {0}, ctx = {0};
+    PyObject *res = NULL;
+    Vec lens = {0};
+    int64_t *cv = NULL, *more = NULL;
+    Seg s;
+    seg_init(&s, NULL);
+    if (!ring_arg(args[0], &ring) || !int_arg(args[1], &ends) || ends.kind != 8 || !int_arg(args[2], &ctx) ||
+        matched < 0 || (limit > matched && ctx.n < limit)) {
+        res = not_implemented();
+        goto done;
+    }
+    Py_ssize_t span = limit > matched ? (Py_ssize_t)(limit - matched) : 0;
+    cv = PyMem_Malloc((size_t)(limit > 0 ? limit : 1) * sizeof(int64_t));
+    more = PyMem_Malloc((size_t)(span ? span : 1) * sizeof(int64_t));
+    if (cv == NULL || more == NULL || vec_reserve(&s.ends, ends.n) < 0) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        goto done;
+    }
+    if (limit > matched) copy_ints(&ctx, 0, (Py_ssize_t)limit, 0, INT64_MIN, INT64_MAX, cv);
+    for (Py_ssize_t i = 0; i < ends.n; i++) s.ends.v[i] = int_at(&ends, i);
+    s.ends.n = ends.n;
+    Ring r = {(const int32_t *)ring.view.buf, ring.n, 0};
+    ring_set_base(&r, oldest);
+    int64_t m = extend_core(&r, &s.ends, cv, matched, limit, oldest, more, &lens);
+    if (m < 0) goto done;
+    res = match_triple(m, more, m ? (Py_ssize_t)(m - matched) : 0, &s);
+done:
+    int_release(&ring);
+    int_release(&ends);
+    int_release(&ctx);
+    vec_free(&lens);
+    seg_free(&s);
+    PyMem_Free(cv);
+    PyMem_Free(more);
+    return res;
+}
+
+PyDoc_STRVAR(continuations_doc,
+"continuations(ring_data, starts, depth, stop) -> (k, depth) int32 array | NotImplemented\n\n"
+"Native store.match_kernels.continuations.");
+
+static PyObject *py_continuations(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) return not_implemented();
+    int64_t depth, stop;
+    if (!get_i64(args[2], &depth) || !get_i64(args[3], &stop)) return not_implemented();
+    IntArg ring = {0}, starts = {0};
+    PyObject *res = NULL;
+    Vec sv = {0};
+    if (!ring_arg(args[0], &ring) || !int_arg(args[1], &starts) || starts.kind < 0 ||
+        depth > (int64_t)1 << 30) {
+        res = not_implemented();
+        goto done;
+    }
+    if (depth < 0) depth = 0;
+    if (vec_reserve(&sv, starts.n) < 0) goto done;
+    int64_t lowest = INT64_MAX;
+    for (Py_ssize_t i = 0; i < starts.n; i++) {
+        sv.v[i] = int_at(&starts, i);
+        if (sv.v[i] < lowest) lowest = sv.v[i];
+    }
+    Ring r = {(const int32_t *)ring.view.buf, ring.n, 0};
+    ring_set_base(&r, starts.n ? lowest : 0);
+    int32_t *rows;
+    prefetch_rows(&r, sv.v, starts.n);
+    res = new_array(dtype_i32, starts.n, (Py_ssize_t)depth, 2, (void **)&rows);
+    if (res != NULL) fill_rows(&r, sv.v, starts.n, depth, stop, rows);
+done:
+    int_release(&ring);
+    int_release(&starts);
+    vec_free(&sv);
+    return res;
+}
+
+static int index_arg(PyObject *o, IndexObject **out) {
+    if (o == Py_None) {
+        *out = NULL;
+        return 1;
+    }
+    if (!PyObject_TypeCheck(o, &IndexType) || !((IndexObject *)o)->ready) return 0;
+    *out = (IndexObject *)o;
+    return 1;
+}
+
+PyDoc_STRVAR(index_match_doc,
+"index_match(index, context_rev, ring_data, oldest, max_match, max_candidates) -> (m, counts, ends) | "
+"NotImplemented\n\nNative store.suffix_index.SuffixIndex.match.");
+
+static PyObject *py_index_match(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) return not_implemented();
+    IndexObject *ix;
+    int64_t oldest, max_match, max_candidates;
+    if (!index_arg(args[0], &ix) || ix == NULL || !get_i64(args[3], &oldest) || !get_i64(args[4], &max_match) ||
+        !get_i64(args[5], &max_candidates))
+        return not_implemented();
+    IntArg ring = {0}, ctx = {0};
+    PyObject *res = NULL;
+    Vec lens = {0};
+    int64_t *cv = NULL, *counts = NULL;
+    Seg s;
+    seg_init(&s, NULL);
+    if (!ring_arg(args[2], &ring) || !int_arg(args[1], &ctx)) {
+        res = not_implemented();
+        goto done;
+    }
+    if (ix->n == 0 || ctx.n == 0) {
+        res = match_triple(0, NULL, 0, &s);
+        goto done;
+    }
+    if (max_match < 1 || max_candidates < 1) {
+        res = not_implemented();
+        goto done;
+    }
+    Py_ssize_t limit = (Py_ssize_t)(max_match < ctx.n ? max_match : ctx.n);
+    cv = PyMem_Malloc((size_t)limit * sizeof(int64_t));
+    counts = PyMem_Malloc((size_t)limit * sizeof(int64_t));
+    if (cv == NULL || counts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (!copy_ints(&ctx, 0, limit, 0, 0, INT32_MAX, cv)) {
+        res = not_implemented();
+        goto done;
+    }
+    s.counts = counts;
+    Ring r = {(const int32_t *)ring.view.buf, ring.n, 0};
+    ring_set_base(&r, oldest);
+    if (index_core(ix, cv, limit, max_match, &r, oldest, max_candidates, &s, &lens) < 0) goto done;
+    res = match_triple(s.m, counts, s.ncounts, &s);
+done:
+    int_release(&ring);
+    int_release(&ctx);
+    vec_free(&lens);
+    seg_free(&s);
+    PyMem_Free(cv);
+    PyMem_Free(counts);
+    return res;
+}
+
+/* The most recent ``keep`` of an evenly spaced sample of at most max_examined of the concatenated
+ * occurrences, newest first, into out (room for min(keep, sample) entries); -1 on error. */
+static int64_t pick_recent(const Seg *const *segs, int nsegs, Py_ssize_t total, int64_t max_examined,
+                           int64_t keep, int64_t *out, Vec *sample) {
+    Py_ssize_t step = total > max_examined ? (Py_ssize_t)((total + max_examined - 1) / max_examined) : 1;
+    Py_ssize_t base = 0; /* index of a segment's first entry in the concatenation */
+    sample->n = 0;
+    for (int i = 0; i < nsegs; i++) {
+        Py_ssize_t first = (step - base % step) % step;
+        if (seg_sample(segs[i], first, step, sample) < 0) return -1;
+        base += seg_len(segs[i]);
+    }
+    int64_t n = 0; /* out[0..n) is a min-heap while collecting */
+    for (Py_ssize_t g = 0; g < sample->n; g++) {
+        int64_t v = sample->v[g];
+        if (n < keep) {
+            int64_t i = n++;
+            while (i > 0 && out[(i - 1) / 2] > v) {
+                out[i] = out[(i - 1) / 2];
+                i = (i - 1) / 2;
+            }
+            out[i] = v;
+        } else if (v > out[0]) {
+            int64_t i = 0;
+            for (;;) {
+                int64_t c = 2 * i + 1;
+                if (c >= n) break;
+                if (c + 1 < n && out[c + 1] < out[c]) c++;
+                if (out[c] >= v) break;
+                out[i] = out[c];
+                i = c;
+            }
+            out[i] = v;
+        }
+    }
+    /* heap -> descending order */
+    for (int64_t end = n - 1; end > 0; end--) {
+        int64_t v = out[end];
+        out[end] = out[0];
+        int64_t i = 0;
+        for (;;) {
+            int64_t c = 2 * i + 1;
+            if (c >= end) break;
+            if (c + 1 < end && out[c + 1] < out[c]) c++;
+            if (out[c] >= v) break;
+            out[i] = out[c];
+            i = c;
+        }
+        out[i] = v;
+    }
+    return n;
+}
+
+/* Shared tail of the store and session lookups: (m, counts, rows) from the chosen occurrences. */
+static PyObject *lookup_result(int64_t m, const int64_t *counts, const Ring *r, int64_t *ends, Py_ssize_t k,
+                               int64_t depth, int64_t stop) {
+    for (Py_ssize_t i = 0; i < k; i++) ends[i] += 1;
+    if (depth > 0) prefetch_rows(r, ends, k); /* the reads overlap with allocating the arrays */
+    PyObject *c = i64_array(counts, (Py_ssize_t)m);
+    if (c == NULL) return NULL;
+    int32_t *rows;
+    PyObject *rw = new_array(dtype_i32, k, (Py_ssize_t)depth, 2, (void **)&rows);
+    if (rw == NULL) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    fill_rows(r, ends, k, depth, stop, rows);
+    return Py_BuildValue("(LNN)", (long long)m, c, rw);
+}
+
+PyDoc_STRVAR(store_lookup_doc,
+"store_lookup(context, ring_data, oldest, stop, delta, main, max_match, max_occurrences, depth, "
+"max_candidates, max_examined) -> (m, counts, rows) | None | NotImplemented\n\n"
+"Native TokenStore.lookup: None when nothing matched; delta and main are Index handles or None.");
+
+static PyObject *py_store_lookup(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 11) return not_implemented();
+    IndexObject *delta, *main_ix;
+    int64_t oldest, stop, max_match, max_occ, depth, max_cand, max_exam;
+    if (!get_i64(args[2], &oldest) || !get_i64(args[3], &stop) || !index_arg(args[4], &delta) ||
+        !index_arg(args[5], &main_ix) || !get_i64(args[6], &max_match) || !get_i64(args[7], &max_occ) ||
+        !get_i64(args[8], &depth) || !get_i64(args[9], &max_cand) || !get_i64(args[10], &max_exam))
+        return not_implemented();
+    if (max_match < 1 || max_occ < 1 || max_cand < 1 || max_exam < 1 || depth > (int64_t)1 << 30)
+        return not_implemented();
+    if (depth < 0) depth = 0;
+    IntArg ring = {0}, ctx = {0};
+    PyObject *res = NULL;
+    Vec lens = {0}, picked = {0}, sample = {0};
+    int64_t stack[4 * STACK_TOKENS], *mem = stack;
+    Seg segs[3];
+    for (int i = 0; i < 3; i++) seg_init(&segs[i], NULL);
+    if (!int_arg(args[0], &ctx) || !ring_arg(args[1], &ring)) {
+        res = not_implemented();
+        goto done;
+    }
+    Py_ssize_t clen = ctx.n > max_match ? (Py_ssize_t)max_match : ctx.n;
+    if (clen == 0) {
+        res = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (clen > STACK_TOKENS) {
+        mem = PyMem_Malloc((size_t)clen * 4 * sizeof(int64_t));
+        if (mem == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    int64_t *cv = mem;
+    if (!copy_ints(&ctx, ctx.n - clen, clen, 1, 0, INT32_MAX, cv)) {
+        res = not_implemented();
+        goto done;
+    }
+    for (int i = 0; i < 3; i++) segs[i].counts = mem + (i + 1) * clen; /* tail, delta, main */
+    Ring r = {(const int32_t *)ring.view.buf, ring.n, 0};
+    ring_set_base(&r, oldest);
+    int64_t idx_end = delta ? delta->end : (main_ix ? main_ix->end : 0);
+    if (scan_core(&r, idx_end > oldest ? idx_end : oldest, stop, cv, clen, clen, oldest, &segs[0], &lens) < 0)
+        goto done;
+    if (delta && index_core(delta, cv, clen, clen, &r, oldest, max_cand, &segs[1], &lens) < 0) goto done;
+    if (main_ix && index_core(main_ix, cv, clen, clen, &r, oldest, max_cand, &segs[2], &lens) < 0) goto done;
+    int64_t m = 0;
+    for (int i = 0; i < 3; i++)
+        if (segs[i].m > m) m = segs[i].m;
+    if (m == 0) {
+        res = Py_NewRef(Py_None);
+        goto done;
+    }
+    /* counts[:fm] += fc in the reference: shapes must agree or broadcast */
+    for (int i = 0; i < 3; i++)
+        if (segs[i].ncounts != segs[i].m && segs[i].ncounts != 1) {
+            res = not_implemented();
+            goto done;
+        }
+    int64_t *sum = cv; /* the context is no longer needed */
+    memset(sum, 0, (size_t)m * sizeof(int64_t));
+    const Seg *longest[3];
+    int nl = 0;
+    Py_ssize_t n_ends = 0;
+    for (int i = 0; i < 3; i++) {
+        if (segs[i].ncounts == segs[i].m)
+            for (int64_t j = 0; j < segs[i].m; j++) sum[j] += segs[i].counts[j];
+        if (segs[i].m == m) {
+            longest[nl++] = &segs[i];
+            n_ends += seg_len(&segs[i]);
+        }
+    }
+    int64_t keep = max_occ < max_exam ? max_occ : max_exam;
+    if (keep > n_ends) keep = n_ends;
+    if (vec_reserve(&picked, keep ? keep : 1) < 0) goto done;
+    int64_t k = pick_recent(longest, nl, n_ends, max_exam, max_occ, picked.v, &sample);
+    if (k < 0) goto done;
+    res = lookup_result(m, sum, &r, picked.v, (Py_ssize_t)k, depth, stop);
+done:
+    int_release(&ring);
+    int_release(&ctx);
+    vec_free(&lens);
+    vec_free(&picked);
+    vec_free(&sample);
+    for (int i = 0; i < 3; i++) seg_free(&segs[i]);
+    if (mem != stack) PyMem_Free(mem);
+    return res;
+}
+
+PyDoc_STRVAR(session_lookup_doc,
+"session_lookup(tokens, n, max_match, max_occurrences, depth) -> (m, counts, rows) | None | NotImplemented\n\n"
+"Native DraftSession.lookup over the session's tokens[:n]: None when nothing matched.");
+
+static PyObject *py_session_lookup(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) return not_implemented();
+    int64_t n, max_match, max_occ, depth;
+    if (!get_i64(args[1], &n) || !get_i64(args[2], &max_match) || !get_i64(args[3], &max_occ) ||
+        !get_i64(args[4], &depth))
+        return not_implemented();
+    if (n < 2 || max_match < 1) Py_RETURN_NONE;
+    if (max_occ < 1 || depth > (int64_t)1 << 30) return not_implemented();
+    if (depth < 0) depth = 0;
+    IntArg tok = {0};
+    PyObject *res = NULL;
+    Vec lens = {0};
+    int64_t stack[2 * STACK_TOKENS], *mem = stack;
+    Seg s;
+    seg_init(&s, NULL);
+    if (!ring_arg(args[0], &tok) || n > tok.n) {
+        res = not_implemented();
+        goto done;
+    }
+    Py_ssize_t clen = (Py_ssize_t)(max_match < n ? max_match : n);
+    if (clen > STACK_TOKENS) {
+        mem = PyMem_Malloc((size_t)clen * 2 * sizeof(int64_t));
+        if (mem == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    const int32_t *t = (const int32_t *)tok.view.buf;
+    int64_t *cv = mem;
+    for (Py_ssize_t j = 0; j < clen; j++) cv[j] = t[n - 1 - j];
+    s.counts = mem + clen;
+    Ring r = {t, tok.n, 0};
+    if (scan_core(&r, 0, n - 1, cv, clen, clen, 0, &s, &lens) < 0) goto done;
+    if (s.m == 0) {
+        res = Py_NewRef(Py_None);
+        goto done;
+    }
+    /* the most recent max_occurrences, newest first */
+    Py_ssize_t c = s.ends.n, k = c > max_occ ? (Py_ssize_t)max_occ : c;
+    int64_t *e = s.ends.v + (c - k);
+    for (Py_ssize_t i = 0; i < k / 2; i++) {
+        int64_t x = e[i];
+        e[i] = e[k - 1 - i];
+        e[k - 1 - i] = x;
+    }
+    res = lookup_result(s.m, s.counts, &r, e, k, depth, n);
+done:
+    int_release(&tok);
+    vec_free(&lens);
+    seg_free(&s);
+    if (mem != stack) PyMem_Free(mem);
+    return res;
+}
+
+static PyMethodDef kernel_methods[] = {
+    {"scan_matches", (PyCFunction)(void (*)(void))py_scan_matches, METH_FASTCALL, scan_matches_doc},
+    {"extend_matches", (PyCFunction)(void (*)(void))py_extend_matches, METH_FASTCALL, extend_matches_doc},
+    {"continuations", (PyCFunction)(void (*)(void))py_continuations, METH_FASTCALL, continuations_doc},
+    {"index_match", (PyCFunction)(void (*)(void))py_index_match, METH_FASTCALL, index_match_doc},
+    {"store_lookup", (PyCFunction)(void (*)(void))py_store_lookup, METH_FASTCALL, store_lookup_doc},
+    {"session_lookup", (PyCFunction)(void (*)(void))py_session_lookup, METH_FASTCALL, session_lookup_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef kernels_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "store._kernels",
+    .m_doc = "Native kernels for the token store's lookups (same results as the numpy reference).",
+    .m_size = -1,
+    .m_methods = kernel_methods,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+    PyObject *np = PyImport_ImportModule("numpy");
+    if (np == NULL) return NULL;
+    np_empty = PyObject_GetAttrString(np, "empty");
+    PyObject *dtype = PyObject_GetAttrString(np, "dtype");
+    Py_DECREF(np);
+    if (np_empty == NULL || dtype == NULL) {
+        Py_XDECREF(dtype);
+        return NULL;
+    }
+    dtype_i64 = PyObject_CallFunction(dtype, "s", "int64");
+    dtype_i32 = PyObject_CallFunction(dtype, "s", "int32");
+    Py_DECREF(dtype);
+    if (dtype_i64 == NULL || dtype_i32 == NULL) return NULL;
+    if (PyType_Ready(&IndexType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&kernels_module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&IndexType);
+    if (PyModule_AddObject(m, "Index", (PyObject *)&IndexType) < 0) {
+        Py_DECREF(&IndexType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,317 @@
+"""Parity of the C kernels (store._kernels) with their numpy reference, over random stores in every state."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import pickle
+import subprocess
+import sys
+from typing import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from drafter_service.session import DraftSession
+from store import match_kernels, suffix_index
+from store.match_kernels import continuations, extend_matches, scan_matches
+from store.token_store import Continuations, TokenStore
+
+if match_kernels.compiled is None:
+    pytest.skip("store._kernels is not built", allow_module_level=True)
+
+KERNELS = match_kernels.compiled
+WIDE = (None, 1 << 18, 1 << 20, (1 << 31) - 1)
+"""Token ids that widen the key layout: no first-token table (> 18 bits), 3 or 2 tokens a key."""
+
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(autouse=True)
+def native_on() -> Iterator[None]:
+    """These tests compare both paths whatever DRAFTER_PURE_PYTHON says."""
+    before = match_kernels.use_native(True)
+    yield
+    match_kernels.use_native(before)
+
+
+@contextlib.contextmanager
+def numpy_only() -> Iterator[None]:
+    """Run the numpy reference inside the block."""
+    before = match_kernels.use_native(False)
+    try:
+        yield
+    finally:
+        match_kernels.use_native(before)
+
+
+@contextlib.contextmanager
+def inverse_min(value: int) -> Iterator[None]:
+    """Indexes built inside the block get an inverse suffix array over max(value, n // 8) positions."""
+    before = suffix_index.INVERSE_MIN
+    suffix_index.INVERSE_MIN = value
+    try:
+        yield
+    finally:
+        suffix_index.INVERSE_MIN = before
+
+
+def assert_same(got: Continuations, want: Continuations) -> None:
+    assert got.match_len == want.match_len
+    assert got.counts.dtype == want.counts.dtype == np.int64
+    assert got.counts.tolist() == want.counts.tolist()
+    assert got.rows.dtype == want.rows.dtype == np.int32
+    assert got.rows.shape == want.rows.shape
+    assert got.rows.tolist() == want.rows.tolist()
+
+
+def assert_same_triple(got: tuple, want: tuple) -> None:
+    assert got[0] == want[0]
+    for g, w in zip(got[1:], want[1:]):
+        assert g.dtype == w.dtype == np.int64
+        assert g.tolist() == w.tolist()
+
+
+@st.composite
+def stores(draw: st.DrawFn, max_docs: int = 24, max_capacity: int = 160) -> tuple[TokenStore, list[int]]:
+    """A store filled with random documents, rebuilt at random points, and the alphabet it used."""
+    vocab = draw(st.integers(1, 5))
+    wide = draw(st.sampled_from(WIDE))
+    alphabet = list(range(vocab)) + ([wide] if wide is not None else [])
+    store = TokenStore(capacity=draw(st.integers(4, max_capacity)), tail_tokens=draw(st.integers(1, 40)),
+                       max_candidates=draw(st.integers(1, 6)), max_examined=draw(st.integers(1, 8)))
+    docs = draw(st.lists(st.lists(st.sampled_from(alphabet), max_size=24), max_size=max_docs))
+    with inverse_min(draw(st.sampled_from([0, 2, 1 << 16]))):
+        for doc in docs:
+            store.append(doc)
+            kind = draw(st.sampled_from([None, None, "due", "main", "delta"]))
+            if kind is not None:
+                store.rebuild(None if kind == "due" else kind)
+    store.check_invariants()
+    return store, alphabet
+
+
+@st.composite
+def contexts(draw: st.DrawFn, store: TokenStore, alphabet: list[int]) -> np.ndarray:
+    """A context that often ends like something stored (long matches), else random; may hold unseen ids."""
+    unseen = max(alphabet) + 1 if max(alphabet) < (1 << 31) - 1 else min(alphabet) + 5
+    tail = draw(st.lists(st.sampled_from(alphabet + [unseen]), max_size=4))
+    held = store.ring.read(store.ring.oldest, store.ring.end)
+    held = held[held >= 0]
+    if held.size and draw(st.booleans()):
+        cut = draw(st.integers(0, held.size))
+        start = draw(st.integers(0, cut))
+        tail = held[start:cut].tolist() + (tail if draw(st.booleans()) else [])
+    else:
+        tail = draw(st.lists(st.sampled_from(alphabet), max_size=20)) + tail
+    dtype = draw(st.sampled_from([np.int32, np.int64]))
+    return np.array(tail, dtype=dtype)
+
+
+@FAST
+@given(data=st.data())
+def test_store_lookup_equals_numpy_reference(data: st.DataObject) -> None:
+    store, alphabet = data.draw(stores())
+    for _ in range(6):
+        ctx = data.draw(contexts(store, alphabet))
+        max_match = data.draw(st.integers(1, 14))
+        max_occurrences = data.draw(st.integers(1, 6))
+        depth = data.draw(st.integers(0, 6))
+        got = store.lookup(ctx, max_match, max_occurrences, depth)
+        with numpy_only():
+            want = store.lookup(ctx, max_match, max_occurrences, depth)
+        assert_same(got, want)
+        ring, handles = store.ring, store._indexes.native
+        raw = KERNELS.store_lookup(ctx, ring._data, ring.oldest, ring.end, handles[0], handles[1], max_match,
+                                   max_occurrences, depth, store.max_candidates, store.max_examined)
+        assert raw is not NotImplemented  # the native path answered, no fallback
+
+
+@FAST
+@given(data=st.data())
+def test_index_match_equals_numpy_reference_for_any_oldest(data: st.DataObject) -> None:
+    store, alphabet = data.draw(stores())
+    indexes = [i for i in (store._indexes.main, store._indexes.delta) if i is not None]
+    ring = store.ring
+    for _ in range(8):
+        if not indexes:
+            break
+        idx = data.draw(st.sampled_from(indexes))
+        ctx_rev = data.draw(contexts(store, alphabet))[::-1].astype(np.int64)
+        oldest = ring.oldest + data.draw(st.integers(0, ring.capacity))  # pretend more was overwritten
+        max_match = data.draw(st.integers(1, 14))
+        max_candidates = data.draw(st.integers(1, 6))
+        got = idx.match(ctx_rev, ring.view(), oldest, max_match, max_candidates)
+        with numpy_only():
+            want = idx.match_numpy(ctx_rev, ring.view(), oldest, max_match, max_candidates)
+        assert_same_triple(got, want)
+
+
+@st.composite
+def rings(draw: st.DrawFn) -> np.ndarray:
+    cap = draw(st.integers(1, 40))
+    return np.array(draw(st.lists(st.integers(-1, 3), min_size=cap, max_size=cap)), dtype=np.int32)
+
+
+@FAST
+@given(data=st.data())
+def test_scan_and_extend_equal_numpy_reference_with_wraparound(data: st.DataObject) -> None:
+    ring = data.draw(rings())
+    cap = ring.size
+    start = data.draw(st.integers(-5, 3 * cap))
+    stop = start + data.draw(st.integers(-2, cap))
+    oldest = data.draw(st.integers(start - 3, stop + 1))
+    limit = data.draw(st.integers(0, 12))
+    ctx = np.array(data.draw(st.lists(st.integers(-1, 4), min_size=limit, max_size=limit + 3)), dtype=np.int64)
+    got = scan_matches(ring, start, stop, ctx, limit, oldest)
+    with numpy_only():
+        want = scan_matches(ring, start, stop, ctx, limit, oldest)
+    assert_same_triple(got, want)
+
+    ends = np.array(data.draw(st.lists(st.integers(oldest - 3, stop + 2), max_size=12)), dtype=np.int64)
+    matched = data.draw(st.integers(0, 3))
+    got = extend_matches(ring, ends, ctx, matched, max(limit, matched), oldest)
+    with numpy_only():
+        want = extend_matches(ring, ends, ctx, matched, max(limit, matched), oldest)
+    assert_same_triple(got, want)
+    assert KERNELS.extend_matches(ring, ends, ctx, matched, max(limit, matched), oldest) is not NotImplemented
+
+
+@FAST
+@given(data=st.data())
+def test_continuations_equal_numpy_reference(data: st.DataObject) -> None:
+    ring = data.draw(rings())
+    starts = np.array(data.draw(st.lists(st.integers(-3, 3 * ring.size), max_size=8)), dtype=np.int64)
+    depth = data.draw(st.integers(-1, 8))
+    stop = data.draw(st.integers(-1, 3 * ring.size))
+    got = continuations(ring, starts, depth, stop)
+    with numpy_only():
+        want = continuations(ring, starts, depth, stop)
+    assert got.dtype == want.dtype == np.int32 and got.shape == want.shape
+    assert got.tolist() == want.tolist()
+
+
+@FAST
+@given(prompt=st.lists(st.integers(0, 3), max_size=30), steps=st.lists(st.lists(st.integers(0, 3), max_size=5),
+                                                                          max_size=8),
+       wide=st.sampled_from(WIDE), max_match=st.integers(-1, 12), max_occurrences=st.integers(1, 6),
+       depth=st.integers(0, 6))
+def test_session_lookup_equals_numpy_reference(prompt: list[int], steps: list[list[int]], wide: int | None,
+                                               max_match: int, max_occurrences: int, depth: int) -> None:
+    if wide is not None:
+        prompt = [wide if t == 3 else t for t in prompt]
+    sess = DraftSession(None, "s", np.array(prompt, dtype=np.int32), 32)  # type: ignore[arg-type]
+    for step in [[]] + steps:
+        sess.append(np.array(step, dtype=np.int32))
+        got = sess.lookup(max_match, max_occurrences, depth)
+        with numpy_only():
+            want = sess.lookup(max_match, max_occurrences, depth)
+        assert_same(got, want)
+
+
+def _fill(store: TokenStore, rng: np.random.Generator, docs: int, vocab: int) -> None:
+    for _ in range(docs):
+        base = rng.integers(0, vocab, int(rng.integers(0, 60)))
+        store.append(np.concatenate([base, base[: int(rng.integers(0, base.size + 1))]]))  # repeats inside
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_larger_stores_in_every_index_state(seed: int) -> None:
+    """Thousands of tokens: multi-word bitmaps of overwritten entries, wide searches, sampling caps."""
+    rng = np.random.default_rng(seed)
+    vocab = (2, 3, 1 << 19)[seed]
+    with inverse_min((1 << 16, 0, 1 << 16)[seed]):
+        store = TokenStore(capacity=3000, tail_tokens=400, max_candidates=(4096, 7, 50)[seed],
+                           max_examined=(1024, 5, 40)[seed])
+        _fill(store, rng, 120, min(vocab, 3) if seed < 2 else 3)
+        store.rebuild("main")
+        for phase in range(4):
+            _fill(store, rng, 15, 3)  # wraps: the main index becomes stale
+            if phase == 2:
+                store.rebuild("delta")
+            held = store.ring.read(store.ring.oldest, store.ring.end)
+            for _ in range(40):
+                cut = int(rng.integers(1, held.size))
+                ctx = held[max(0, cut - int(rng.integers(1, 40))):cut]
+                ctx = ctx[ctx >= 0] if rng.random() < 0.8 else rng.integers(0, 3, 12)
+                args = (int(rng.integers(1, 40)), int(rng.integers(1, 40)), int(rng.integers(0, 20)))
+                got = store.lookup(ctx, *args)
+                with numpy_only():
+                    want = store.lookup(ctx, *args)
+                assert_same(got, want)
+
+
+def test_empty_store_unseen_tokens_and_unusual_arguments_agree() -> None:
+    store = TokenStore(capacity=64, tail_tokens=4)
+    cases = [([], 8, 4, 4), ([1, 2], 8, 4, 4)]
+    for ctx, *args in cases:
+        assert store.lookup(np.array(ctx, dtype=np.int64), *args).match_len == 0
+    store.append([5, 6, 7, 5, 6, 8])
+    store.rebuild("main")
+    store.append([5, 6, 9])
+    cases = [
+        ([5, 6], 8, 4, 4),
+        ([99, 5, 6], 8, 4, 4),  # a token the index never saw, before a known end
+        ([5, 99], 8, 4, 4),  # the last token never seen
+        ([5, 6], 8, 4, -2),  # negative depth reads no tokens
+        ([5, 6], 0, 4, 4),  # the numpy path's slicing rules for odd budgets
+        ([5, 6], -1, 4, 4),
+        ([5, 6], 8, 0, 4),
+        ([-1, 5, 6], 8, 4, 4),  # separators in a context
+        ([5, 6, (1 << 40)], 8, 4, 4),
+    ]
+    for ctx, *args in cases:
+        for context in (ctx, np.array(ctx, dtype=np.int64)):
+            got = store.lookup(context, *args)
+            with numpy_only():
+                want = store.lookup(context, *args)
+            assert_same(got, want)
+
+
+def test_native_entry_points_decline_what_they_do_not_handle() -> None:
+    ring = np.zeros(8, dtype=np.int32)
+    assert KERNELS.scan_matches(ring.astype(np.int64), 0, 4, np.zeros(2, np.int64), 2, 0) is NotImplemented
+    assert KERNELS.scan_matches(ring, 0, 4, [0, 0], 2, 0) is NotImplemented
+    assert KERNELS.continuations(ring, np.zeros(2, np.float64), 3, 4) is NotImplemented
+    assert KERNELS.store_lookup([1, 2], ring, 0, 0, None, None, 8, 4, 4, 16, 16) is NotImplemented
+    assert KERNELS.store_lookup(np.array([-1]), ring, 0, 0, None, None, 8, 4, 4, 16, 16) is NotImplemented
+    assert KERNELS.store_lookup(np.array([1]), ring, 0, 0, None, None, 8, 4, 4, 16, 16) is None
+    with pytest.raises(TypeError):
+        KERNELS.Index(np.zeros(3, np.int64), np.zeros(3, np.int32), 0, 3, 4, 16)
+    with pytest.raises(ValueError):
+        KERNELS.Index(np.zeros(3, np.uint64), np.zeros(2, np.int32), 0, 3, 4, 16)
+
+
+def test_use_native_switches_paths_and_the_environment_forces_numpy() -> None:
+    assert match_kernels.use_native(False) is True
+    assert match_kernels.native is None
+    assert match_kernels.use_native(True) is False
+    assert match_kernels.native is KERNELS
+    env = dict(os.environ, DRAFTER_PURE_PYTHON="1")
+    out = subprocess.run([sys.executable, "-c", "import store.match_kernels as m; print(m.native is None, "
+                          "m.compiled is not None)"], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]
+
+
+def test_index_handle_keeps_its_arrays_alive_and_reports_its_memory() -> None:
+    store = TokenStore(capacity=256, tail_tokens=4)
+    for i in range(20):
+        store.append([i % 3, 1, 2, i % 5])
+    store.rebuild("main")
+    main = store._indexes.main
+    handle = main.native_index
+    assert handle is not None and handle.nbytes > 0
+    assert main.nbytes == main._sa.nbytes + main._keys.nbytes + handle.nbytes
+    ring = store.ring.view().copy()
+    ctx_rev = np.array([2, 1, 0], dtype=np.int64)
+    with numpy_only():
+        want = main.match_numpy(ctx_rev, ring, 0, 8)
+    copy = pickle.loads(pickle.dumps(main))
+    assert copy.native_index is not None and copy.native_index is not handle
+    assert_same_triple(copy.match(ctx_rev, ring, 0, 8), want)
+    del main, store, copy
+    gc.collect()
+    assert_same_triple(KERNELS.index_match(handle, ctx_rev, ring, 0, 8, 4096), want)
