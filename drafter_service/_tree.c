@@ -2,6 +2,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -59,7 +60,8 @@ typedef struct {
 typedef struct {                                           /* one child gathered during an expansion */
     int tok, kinds, rank;
     long count;
-    int rows_off, rows_len, st_off, st_len;                 /* into the per-expansion scratch */
+    int here[2];                                            /* its rows of each kind */
+    int rows_off, rows_len, st_off, st_len;                 /* into the gathered scratch arrays */
 } Child;
 
 typedef struct {
@@ -76,7 +78,7 @@ typedef struct {
     double min_prob;
     /* state */
     Buf cands, heap, row_pool, st_pool, tok_pool, ev_key, ev_prior;
-    Buf children, scratch_rows, scratch_st;
+    Buf children, scratch_rows, scratch_st, gathered_rows, gathered_st;
     Buf out_tok, out_parent, out_prob, out_kinds, out_ev_off, out_ev_key, out_ev_prior;
     long seq;
 } Builder;
@@ -140,7 +142,7 @@ static int find_child(Builder *B, int tok) {
     if (buf_reserve(&B->children, 1) < 0) return -1;
     ch = (Child *)B->children.data;
     Child *c = &ch[B->children.len];
-    c->tok = tok; c->kinds = 0; c->rank = 99; c->count = 0;
+    c->tok = tok; c->kinds = 0; c->rank = 99; c->count = 0; c->here[0] = c->here[1] = 0;
     c->rows_off = c->rows_len = c->st_off = c->st_len = 0;
     return (int)B->children.len++;
 }
@@ -163,13 +165,50 @@ static int leader_at(Builder *B, int node, int *out) {
     return 1;
 }
 
+/* The native LRU table's C API (store._lru), when that extension is built. */
+typedef struct {
+    PyTypeObject *type;
+    int (*query)(PyObject *table, const int *leader, int limit, int *out_tokens, int64_t *out_counts, int *fl_out);
+    int (*leader_len)(PyObject *table);
+} LRUTableCAPI;
+static LRUTableCAPI *lru_api;
+static PyObject *query_name;
+
 static int query_table(Builder *B, int t, const int *leader, PyObject **result) {
     PyObject *lead = PyTuple_New(B->leader_len);
     if (!lead) return -1;
     for (int i = 0; i < B->leader_len; i++) PyTuple_SET_ITEM(lead, i, PyLong_FromLong(leader[i]));
-    *result = PyObject_CallMethod(B->tables[t], "query", "Oi", lead, B->table_branch[t]);
+    PyObject *limit = PyLong_FromLong(B->table_branch[t]);
+    if (!limit) { Py_DECREF(lead); return -1; }
+    PyObject *argv[3] = {B->tables[t], lead, limit};
+    *result = PyObject_VectorcallMethod(query_name, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     Py_DECREF(lead);
+    Py_DECREF(limit);
     return *result ? 0 : -1;
+}
+
+static int add_table_child(Builder *B, int t, int kind, int rank, long count, int off, int fl) {
+    int ci = find_child(B, AT(B->tok_pool, int, off));
+    if (ci < 0 || buf_reserve(&B->scratch_st, 1) < 0) return -1;
+    Child *c = &AT(B->children, Child, ci);
+    c->kinds |= 1 << kind;
+    if (rank < c->rank) { c->rank = rank; c->count = count; }
+    AT(B->scratch_st, StPair, B->scratch_st.len++) = (StPair){ci, (State){t, off, fl, 0}};
+    return 0;
+}
+
+/* Fast path for the native LRU table: followers written straight into the token pool. */
+static int query_native(Builder *B, int t, int kind, const int *leader) {
+    int64_t counts[256];
+    int limit = B->table_branch[t] < 256 ? B->table_branch[t] : 256;
+    if (buf_reserve(&B->tok_pool, (Py_ssize_t)limit * 8) < 0) return -1;
+    int fl = 0;
+    int base = (int)B->tok_pool.len;
+    int k = lru_api->query(B->tables[t], leader, limit, &AT(B->tok_pool, int, base), counts, &fl);
+    B->tok_pool.len += (Py_ssize_t)k * fl;
+    for (int rank = 0; rank < k; rank++)
+        if (add_table_child(B, t, kind, rank, (long)counts[rank], base + rank * fl, fl) < 0) return -1;
+    return 0;
 }
 
 static int expand(Builder *B, int parent, double pprob, int depth, int c_rows_off, int c_rows_len,
@@ -185,7 +224,9 @@ static int expand(Builder *B, int parent, double pprob, int depth, int c_rows_of
         if (tok < 0) continue;
         int ci = find_child(B, tok);
         if (ci < 0 || buf_reserve(&B->scratch_rows, 1) < 0) return -1;
-        AT(B->children, Child, ci).kinds |= 1 << (r < B->nrows[0] ? 0 : 1);
+        int rk = r < B->nrows[0] ? 0 : 1;
+        AT(B->children, Child, ci).kinds |= 1 << rk;
+        AT(B->children, Child, ci).here[rk]++;
         AT(B->scratch_rows, RowPair, B->scratch_rows.len++) = (RowPair){ci, r};
     }
     int progressing = 0;
@@ -206,6 +247,10 @@ static int expand(Builder *B, int parent, double pprob, int depth, int c_rows_of
         for (int t = 0; t < B->ntables; t++) {
             int kind = B->table_kind[t];
             if (progressing >> kind & 1) continue;
+            if (lru_api && Py_TYPE(B->tables[t]) == lru_api->type && lru_api->leader_len(B->tables[t]) == B->leader_len) {
+                if (query_native(B, t, kind, leader) < 0) return -1;
+                continue;
+            }
             PyObject *res;
             if (query_table(B, t, leader, &res) < 0) return -1;
             PyObject *seq = PySequence_Fast(res, "table query must return a sequence");
@@ -231,12 +276,7 @@ static int expand(Builder *B, int parent, double pprob, int depth, int c_rows_of
                     AT(B->tok_pool, int, off + k) = (int)PyLong_AsLong(PyTuple_GET_ITEM(fol, k));
                 if (PyErr_Occurred()) { Py_DECREF(seq); return -1; }
                 B->tok_pool.len += fl;
-                int ci = find_child(B, AT(B->tok_pool, int, off));
-                if (ci < 0 || buf_reserve(&B->scratch_st, 1) < 0) { Py_DECREF(seq); return -1; }
-                Child *c = &AT(B->children, Child, ci);
-                c->kinds |= 1 << kind;
-                if (rank < c->rank) { c->rank = (int)rank; c->count = count; }
-                AT(B->scratch_st, StPair, B->scratch_st.len++) = (StPair){ci, (State){t, off, (int)fl, 0}};
+                if (add_table_child(B, t, kind, (int)rank, count, off, (int)fl) < 0) { Py_DECREF(seq); return -1; }
             }
             Py_DECREF(seq);
         }
@@ -246,6 +286,26 @@ static int expand(Builder *B, int parent, double pprob, int depth, int c_rows_of
     Child *ch = (Child *)B->children.data;
     for (Py_ssize_t i = 0; i < B->scratch_rows.len; i++) ch[AT(B->scratch_rows, RowPair, i).child].rows_len++;
     for (Py_ssize_t i = 0; i < B->scratch_st.len; i++) ch[AT(B->scratch_st, StPair, i).child].st_len++;
+    /* Counting sort of rows and states by child, keeping their order within each child. */
+    B->gathered_rows.len = 0;
+    B->gathered_st.len = 0;
+    if (buf_reserve(&B->gathered_rows, B->scratch_rows.len) < 0 || buf_reserve(&B->gathered_st, B->scratch_st.len) < 0)
+        return -1;
+    {
+        int ro = 0, so = 0;
+        for (Py_ssize_t i = 0; i < nch; i++) {
+            ch[i].rows_off = ro; ro += ch[i].rows_len; ch[i].rows_len = 0;
+            ch[i].st_off = so; so += ch[i].st_len; ch[i].st_len = 0;
+        }
+        for (Py_ssize_t i = 0; i < B->scratch_rows.len; i++) {
+            RowPair rp = AT(B->scratch_rows, RowPair, i);
+            AT(B->gathered_rows, int, ch[rp.child].rows_off + ch[rp.child].rows_len++) = rp.value;
+        }
+        for (Py_ssize_t i = 0; i < B->scratch_st.len; i++) {
+            StPair sp = AT(B->scratch_st, StPair, i);
+            AT(B->gathered_st, State, ch[sp.child].st_off + ch[sp.child].st_len++) = sp.st;
+        }
+    }
     /* Branch limit: stable sort by evidence count, keep the first ``branch``. */
     int order[512];
     int norder = nch < 512 ? (int)nch : 512;
@@ -268,14 +328,9 @@ static int expand(Builder *B, int parent, double pprob, int depth, int c_rows_of
         int nev = 0;
         double best = 0.0;
         if (c.rows_len) {
-            int here[2] = {0, 0};
-            for (Py_ssize_t i = 0; i < B->scratch_rows.len; i++) {
-                RowPair rp = AT(B->scratch_rows, RowPair, i);
-                if (rp.child == ci) here[rp.value < B->nrows[0] ? 0 : 1]++;
-            }
             for (int kind = 0; kind < 2; kind++) {
-                if (!here[kind]) continue;
-                double share = (double)here[kind] / at_node[kind];
+                if (!c.here[kind]) continue;
+                double share = (double)c.here[kind] / at_node[kind];
                 int m = B->match_len[kind] + depth;
                 int key = ROWS_BASE + ((kind * N_MATCH + match_bucket(m)) * N_SHARE + share_bucket(share)) * N_COUNT
                           + count_bucket(at_node[kind]);
@@ -286,11 +341,7 @@ static int expand(Builder *B, int parent, double pprob, int depth, int c_rows_of
             }
         }
         if (c.st_len) {
-            State first = {0, 0, 0, 0};
-            for (Py_ssize_t i = 0; i < B->scratch_st.len; i++) {
-                StPair sp = AT(B->scratch_st, StPair, i);
-                if (sp.child == ci) { first = sp.st; break; }
-            }
+            State first = AT(B->gathered_st, State, c.st_off);
             int kind = B->table_kind[first.table], key;
             double prior;
             if (first.j > 0) {
@@ -318,14 +369,12 @@ static int expand(Builder *B, int parent, double pprob, int depth, int c_rows_of
             return -1;
         Cand cand = {p, ++B->seq, parent, c.tok, depth + 1, c.kinds,
                      (int)B->row_pool.len, c.rows_len, (int)B->st_pool.len, c.st_len, (int)B->ev_key.len, nev};
-        for (Py_ssize_t i = 0; i < B->scratch_rows.len; i++) {
-            RowPair rp = AT(B->scratch_rows, RowPair, i);
-            if (rp.child == ci) AT(B->row_pool, int, B->row_pool.len++) = rp.value;
-        }
-        for (Py_ssize_t i = 0; i < B->scratch_st.len; i++) {
-            StPair sp = AT(B->scratch_st, StPair, i);
-            if (sp.child == ci) AT(B->st_pool, State, B->st_pool.len++) = sp.st;
-        }
+        memcpy(&AT(B->row_pool, int, B->row_pool.len), &AT(B->gathered_rows, int, c.rows_off),
+               (size_t)c.rows_len * sizeof(int));
+        B->row_pool.len += c.rows_len;
+        memcpy(&AT(B->st_pool, State, B->st_pool.len), &AT(B->gathered_st, State, c.st_off),
+               (size_t)c.st_len * sizeof(State));
+        B->st_pool.len += c.st_len;
         for (int i = 0; i < nev; i++) {
             AT(B->ev_key, int, B->ev_key.len++) = keys[i];
             AT(B->ev_prior, double, B->ev_prior.len++) = priors[i];
@@ -385,11 +434,11 @@ static PyObject *build(PyObject *self, PyObject *args) {
     Builder B;
     memset(&B, 0, sizeof B);
     Buf init[] = {BUF(Cand), BUF(int), BUF(int), BUF(State), BUF(int), BUF(int), BUF(double), BUF(Child),
-                  BUF(RowPair), BUF(StPair), BUF(int), BUF(int), BUF(double), BUF(int), BUF(int), BUF(int),
-                  BUF(double)};
+                  BUF(RowPair), BUF(StPair), BUF(int), BUF(State), BUF(int), BUF(int), BUF(double), BUF(int),
+                  BUF(int), BUF(int), BUF(double)};
     Buf *bufs[] = {&B.cands, &B.heap, &B.row_pool, &B.st_pool, &B.tok_pool, &B.ev_key, &B.ev_prior, &B.children,
-                   &B.scratch_rows, &B.scratch_st, &B.out_tok, &B.out_parent, &B.out_prob, &B.out_kinds,
-                   &B.out_ev_off, &B.out_ev_key, &B.out_ev_prior};
+                   &B.scratch_rows, &B.scratch_st, &B.gathered_rows, &B.gathered_st, &B.out_tok, &B.out_parent,
+                   &B.out_prob, &B.out_kinds, &B.out_ev_off, &B.out_ev_key, &B.out_ev_prior};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) *bufs[i] = init[i];
     Py_buffer v0 = {0}, v1 = {0}, vctx = {0}, vacc = {0}, vtr = {0};
     PyObject *result = NULL, *tables = NULL;
@@ -551,4 +600,17 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tree", "Native draft tree builder.", -1, methods};
 
-PyMODINIT_FUNC PyInit__tree(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__tree(void) {
+    query_name = PyUnicode_InternFromString("query");
+    if (!query_name) return NULL;
+    PyObject *lru = PyImport_ImportModule("store._lru");  /* PyCapsule_Import does not import submodules */
+    Py_XDECREF(lru);
+    lru_api = lru ? (LRUTableCAPI *)PyCapsule_Import("store._lru._C_API", 0) : NULL;
+    if (!lru_api) PyErr_Clear();  /* not built: tables are queried through Python */
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "NATIVE_TABLES", lru_api != NULL) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

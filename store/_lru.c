@@ -1097,6 +1097,44 @@ static PyTypeObject ItemsIterType = {
 
 /* ---- module --------------------------------------------------------------------------------------- */
 
+/* C API for other extensions (the native tree builder): a query that writes followers into caller
+ * buffers instead of building Python objects. Same semantics as LRUTable.query. */
+typedef struct {
+    PyTypeObject *type;
+    /* Followers of ``leader`` (ll tokens), most recent first, at most ``limit``: tokens into out_tokens
+     * (limit * fl words), counts into out_counts; the follower length into *fl_out. Returns the number
+     * of followers (0 for an unknown leader). Refreshes the leader. */
+    int (*query)(PyObject *table, const int32_t *leader, int limit, int32_t *out_tokens, int64_t *out_counts,
+                 int *fl_out);
+    int (*leader_len)(PyObject *table);
+} LRUTableCAPI;
+
+static int capi_query(PyObject *obj, const int32_t *leader, int limit, int32_t *out_tokens, int64_t *out_counts,
+                      int *fl_out) {
+    LRUTable *t = (LRUTable *)obj;
+    Core *c = &t->c;
+    *fl_out = t->fl;
+    uint32_t idx = core_find(c, leader, hash_key(leader, t->ll), t->ll);
+    if (idx == NIL) return 0;
+    if (c->tail != idx) {
+        list_unlink(c, idx);
+        list_append(c, idx);
+        t->version++;
+    }
+    const Leader *L = &c->nodes[idx];
+    int k = (int)L->nfol < limit ? (int)L->nfol : limit;
+    for (int i = 0; i < k; i++) {
+        const int32_t *r = L->fol + (size_t)(L->nfol - 1 - i) * t->stride;
+        memcpy(out_tokens + (size_t)i * t->fl, r, (size_t)t->fl * sizeof(int32_t));
+        out_counts[i] = rec_count(r, t->fl);
+    }
+    return k;
+}
+
+static int capi_leader_len(PyObject *obj) { return ((LRUTable *)obj)->ll; }
+
+static LRUTableCAPI c_api = {&LRUTableType, capi_query, capi_leader_len};
+
 static struct PyModuleDef lru_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "store._lru",
@@ -1115,6 +1153,12 @@ PyMODINIT_FUNC PyInit__lru(void) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "MAX_LEN", MAX_LEN) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *capsule = PyCapsule_New(&c_api, "store._lru._C_API", NULL);
+    if (capsule == NULL || PyModule_AddObject(m, "_C_API", capsule) < 0) {
+        Py_XDECREF(capsule);
         Py_DECREF(m);
         return NULL;
     }
