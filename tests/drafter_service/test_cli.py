@@ -1,0 +1,32 @@
+"""The `drafter` command line: bench replay on request files."""
+
+import json
+
+import numpy as np
+import pytest
+
+from drafter_service.bench.datasets import Request, write_requests
+from drafter_service.cli import main
+
+
+def test_bench_replay_on_a_request_file_prints_ours_and_the_peer(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    answer = rng.integers(0, 50, 40)
+    reqs = [Request(f"r{i}", rng.integers(0, 50, 10), answer) for i in range(6)]  # same answer each time
+    path = tmp_path / "reqs.jsonl"
+    write_requests(path, reqs)
+    out_json = tmp_path / "out.json"
+    assert main(["bench", "replay", str(path), "--peers", "prompt-lookup", "--budget", "8",
+                 "--json", str(out_json)]) == 0
+    table = capsys.readouterr().out
+    assert "| drafter |" in table and "| prompt-lookup |" in table
+    rows = {r["drafter"]: r for r in json.loads(out_json.read_text())}
+    assert rows["drafter"]["requests"] == 6
+    # after the first request the repeated answer is drafted from the store, up to 8 tokens a step
+    assert rows["drafter"]["mat"] > 3.0
+    assert rows["drafter"]["mat"] > rows["prompt-lookup"]["mat"]
+
+
+def test_bench_replay_without_input_explains_itself(capsys):
+    with pytest.raises(SystemExit, match="request files or --dataset"):
+        main(["bench", "replay"])
