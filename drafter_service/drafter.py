@@ -155,6 +155,15 @@ class Drafter:
         sess.remember(tree, evidence)
         return tree
 
+    def closing_document(self, session_id: str, accepted: Sequence[int] | np.ndarray = ()) -> np.ndarray:
+        """The request ``end`` would store (prompt + output + ``accepted``), without changing anything.
+
+        Lets a caller make the request durable before the session is closed.
+        """
+        sess = self.session(session_id)
+        ids = self.tokens(accepted, "accepted")
+        return np.concatenate([sess.tokens, ids])
+
     def end(self, session_id: str, accepted: Sequence[int] | np.ndarray = ()) -> DraftSession:
         """Close a session, appending its final tokens, and ingest prompt + output into the store."""
         sess = self.session(session_id)
@@ -165,17 +174,27 @@ class Drafter:
         self.store.append(sess.tokens)
         return sess
 
-    def ingest(self, prompt: Sequence[int] | np.ndarray, output: Sequence[int] | np.ndarray) -> None:
-        """Add a completed request that had no session (from an engine or a log)."""
-        p = self.tokens(prompt, "prompt")
-        o = self.tokens(output, "output")
-        doc = np.concatenate([p, o])
+    def document(self, prompt: Sequence[int] | np.ndarray, output: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Validate a completed request and return it as one int32 document (prompt + output).
+
+        Raises:
+            InvalidArgument: on bad token ids or an empty request.
+        """
+        doc = np.concatenate([self.tokens(prompt, "prompt"), self.tokens(output, "output")])
         if doc.size == 0:
             raise InvalidArgument("request has no tokens")
-        if self.config.use_dynamic:
+        return doc
+
+    def add_document(self, doc: np.ndarray, learn: bool = True) -> None:
+        """Store a validated document; ``learn`` also feeds it to the dynamic table."""
+        if learn and self.config.use_dynamic:
             with self._table_lock:
                 self.dynamic.update(doc.tolist())
         self.store.append(doc)
+
+    def ingest(self, prompt: Sequence[int] | np.ndarray, output: Sequence[int] | np.ndarray) -> None:
+        """Add a completed request that had no session (from an engine or a log)."""
+        self.add_document(self.document(prompt, output))
 
     def add_frozen(self, name: str, table: FrozenNGramTable) -> None:
         """Install (or replace) a frozen table under ``name``."""

@@ -18,3 +18,11 @@ class NotFound(DrafterError, KeyError):
 
 class AlreadyExists(DrafterError):
     """A session id already in use."""
+
+
+class Unavailable(DrafterError):
+    """The service cannot serve the request right now (its storage is unreachable)."""
+
+
+class ResourceExhausted(DrafterError):
+    """A configured limit (sessions, sizes) is reached."""

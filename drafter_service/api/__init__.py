@@ -1,0 +1,1 @@
+"""Generated gRPC API code (see scripts/gen_proto.py)."""

@@ -1,0 +1,139 @@
+"""The service behind the gRPC API: namespaces, session routing, limits, and start-up and shut-down."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Sequence
+
+from drafter_service.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from drafter_service.namespace import Namespace
+from drafter_service.service_config import DEFAULT_NAMESPACE, ServiceConfig, check_name
+from drafter_service.tree import DraftTree
+
+logger = logging.getLogger(__name__)
+
+PersistenceFactory = Callable[[str, int], object]
+"""(namespace name, vocab size) -> a persistence object for it, or None for memory only."""
+
+
+class DrafterService:
+    """Every namespace of one service, and which namespace each live session belongs to."""
+
+    def __init__(self, config: ServiceConfig, persistence: PersistenceFactory | None = None) -> None:
+        self.config = config
+        self.namespaces: dict[str, Namespace] = {}
+        for spec in config.namespaces:
+            store = persistence(spec.name, spec.vocab_size) if persistence is not None else None
+            self.namespaces[spec.name] = Namespace.create(spec.name, config.drafter, spec.vocab_size, store)
+        self._session_ns: dict[str, Namespace] = {}
+        self._lock = threading.Lock()
+        self.started_at = time.monotonic()
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    def restore(self) -> dict[str, int]:
+        """Reload every namespace from persistence; returns requests restored per namespace."""
+        restored = {}
+        for name, ns in self.namespaces.items():
+            t0 = time.perf_counter()
+            restored[name] = ns.restore()
+            logger.info("namespace %s: %d requests restored in %.2f s", name, restored[name],
+                        time.perf_counter() - t0)
+        return restored
+
+    def snapshot(self) -> None:
+        """Save every namespace's dynamic table and statistics (background job and shut-down)."""
+        for ns in self.namespaces.values():
+            try:
+                ns.snapshot()
+            except Exception:
+                logger.exception("namespace %s: snapshot failed", ns.name)
+
+    def rebuild_due(self) -> None:
+        """Rebuild whichever suffix indexes are due (background job)."""
+        for ns in self.namespaces.values():
+            ns.rebuild()
+
+    # -- routing --------------------------------------------------------------------------------------
+
+    def namespace(self, name: str) -> Namespace:
+        """The namespace ``name`` ("" means default).
+
+        Raises:
+            NotFound: when it is not declared.
+        """
+        name = name or DEFAULT_NAMESPACE
+        found = self.namespaces.get(name)
+        if found is None:
+            try:
+                check_name(name)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+            raise NotFound(f"unknown namespace {name!r}")
+        return found
+
+    def _of_session(self, session_id: str) -> Namespace:
+        found = self._session_ns.get(session_id)
+        if found is None:
+            raise NotFound(f"unknown session {session_id!r}")
+        return found
+
+    def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
+        if len(tokens) > self.config.max_request_tokens:
+            raise InvalidArgument(f"{what} holds {len(tokens)} tokens, more than the limit "
+                                  f"{self.config.max_request_tokens}")
+
+    def _check_budget(self, max_nodes: int) -> None:
+        if max_nodes < 0 or max_nodes > self.config.max_nodes_limit:
+            raise InvalidArgument(f"max_nodes must be in [0, {self.config.max_nodes_limit}], got {max_nodes}")
+
+    # -- the API --------------------------------------------------------------------------------------
+
+    def start_session(self, namespace: str, session_id: str, prompt: Sequence[int], max_nodes: int = 0) -> Namespace:
+        """Open a session in a namespace."""
+        if not session_id or len(session_id) > 256:
+            raise InvalidArgument("session_id must be 1 to 256 characters")
+        self._check_tokens(prompt, "prompt")
+        self._check_budget(max_nodes)
+        ns = self.namespace(namespace)
+        with self._lock:
+            if len(self._session_ns) >= self.config.max_sessions:
+                raise ResourceExhausted(f"{self.config.max_sessions} sessions are live; end some first")
+            if session_id in self._session_ns:  # session ids are unique over all namespaces
+                raise AlreadyExists(f"session {session_id!r} already exists")
+            ns.drafter.start(session_id, prompt, max_nodes)
+            self._session_ns[session_id] = ns
+        return ns
+
+    def draft(self, session_id: str, accepted: Sequence[int], max_nodes: int = 0) -> tuple[DraftTree, int]:
+        """Correct the session with ``accepted`` and draft the next tree."""
+        self._check_tokens(accepted, "accepted")
+        self._check_budget(max_nodes)
+        return self._of_session(session_id).draft(session_id, accepted, max_nodes)
+
+    def end_session(self, session_id: str, accepted: Sequence[int]) -> int:
+        """Store the request durably and close its session; returns the tokens stored."""
+        self._check_tokens(accepted, "accepted")
+        ns = self._of_session(session_id)
+        stored = ns.end_session(session_id, accepted)
+        with self._lock:
+            self._session_ns.pop(session_id, None)
+        return stored
+
+    def ingest(self, namespace: str, requests: Sequence[tuple[Sequence[int], Sequence[int], str]]) -> tuple[int, int]:
+        """Store completed requests durably; returns (requests, tokens)."""
+        if not requests:
+            raise InvalidArgument("no requests to ingest")
+        if len(requests) > self.config.max_ingest_requests:
+            raise InvalidArgument(f"{len(requests)} requests in one call, more than the limit "
+                                  f"{self.config.max_ingest_requests}")
+        for i, (prompt, output, _) in enumerate(requests):
+            self._check_tokens(prompt, f"request {i} prompt")
+            self._check_tokens(output, f"request {i} output")
+        return self.namespace(namespace).ingest(requests)
+
+    def stats(self, namespace: str) -> dict[str, object]:
+        """GetStats figures of one namespace."""
+        return self.namespace(namespace).stats()

@@ -1,0 +1,97 @@
+"""Configuration of the whole service: addresses, storage, namespaces, limits and background jobs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from drafter_service.config import DrafterConfig
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+DEFAULT_NAMESPACE = "default"
+
+
+def check_name(name: str, what: str = "namespace") -> str:
+    """Return ``name`` when it is a valid namespace or table name, else raise ValueError."""
+    if not NAME_RE.match(name or ""):
+        raise ValueError(f"bad {what} name {name!r}: use 1-64 letters, digits, '_', '.', '-'")
+    return name
+
+
+@dataclass(frozen=True)
+class NamespaceSpec:
+    """A namespace (one tokenizer's token space) and its vocabulary size."""
+
+    name: str
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        if self.vocab_size < 1 or self.vocab_size > 1 << 31:
+            raise ValueError(f"namespace {self.name!r}: vocab_size must be in [1, 2**31], got {self.vocab_size}")
+
+    @classmethod
+    def parse(cls, text: str) -> "NamespaceSpec":
+        """Parse ``NAME=VOCAB_SIZE``."""
+        name, sep, size = text.partition("=")
+        if not sep or not size.strip().isdigit():
+            raise ValueError(f"bad namespace {text!r}: expected NAME=VOCAB_SIZE")
+        return cls(name.strip(), int(size))
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything ``drafter serve`` is configured with (flags and environment variables fill it).
+
+    Attributes:
+        address: gRPC listen address.
+        http_address: dashboard and /metrics address ("" disables them).
+        data_dir: folder of the embedded Redis server's data (used when ``redis_url`` is empty).
+        redis_url: an existing Redis to use instead of the embedded one.
+        namespaces: declared namespaces; "default" is added with ``default_vocab_size`` when missing.
+        default_vocab_size: vocabulary size of the default namespace.
+        drafter: sizes and policies of every namespace's core (its vocab_size is overridden per namespace).
+        rebuild_interval_s: how often the background job checks whether a suffix index rebuild is due.
+        snapshot_interval_s: how often dynamic tables and acceptance statistics are saved.
+        max_message_bytes: gRPC message size limit, both directions.
+        max_request_tokens: most tokens in one prompt, one accepted list or one ingested request.
+        max_ingest_requests: most requests in one Ingest call.
+        max_nodes_limit: largest tree budget a client may ask for.
+        max_sessions: most live sessions over all namespaces.
+        workers: gRPC server threads.
+    """
+
+    address: str = "127.0.0.1:50051"
+    http_address: str = "127.0.0.1:8050"
+    data_dir: str = "./drafter-data"
+    redis_url: str = ""
+    namespaces: tuple[NamespaceSpec, ...] = ()
+    default_vocab_size: int = 262144
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    rebuild_interval_s: float = 1.0
+    snapshot_interval_s: float = 30.0
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_request_tokens: int = 1 << 20
+    max_ingest_requests: int = 10000
+    max_nodes_limit: int = 1024
+    max_sessions: int = 100000
+    workers: int = 16
+
+    def __post_init__(self) -> None:
+        names = [ns.name for ns in self.namespaces]
+        if len(set(names)) != len(names):
+            raise ValueError(f"namespace declared twice in {names}")
+        if DEFAULT_NAMESPACE not in names:
+            object.__setattr__(self, "namespaces",
+                               (NamespaceSpec(DEFAULT_NAMESPACE, self.default_vocab_size),) + tuple(self.namespaces))
+        for name in ("rebuild_interval_s", "snapshot_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        for name in ("max_message_bytes", "max_request_tokens", "max_ingest_requests", "max_nodes_limit",
+                     "max_sessions", "workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+    def namespace(self, name: str) -> NamespaceSpec | None:
+        """The declared namespace ``name`` (None when unknown)."""
+        return next((ns for ns in self.namespaces if ns.name == name), None)
