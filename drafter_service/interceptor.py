@@ -31,8 +31,40 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal error (logged by the service)"
 
 
+class MalformedMessage(InvalidArgument):
+    """Request bytes that do not parse as the method's message."""
+
+
+class _Unparsed:
+    """Stands for a request whose bytes did not parse, so the handler can refuse it with INVALID_ARGUMENT."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            return _Unparsed(exc)
+    return parse
+
+
+def _checked(request: Any) -> Any:
+    if isinstance(request, _Unparsed):
+        raise MalformedMessage(f"malformed request message: {request.error}")
+    return request
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
-    """Wraps every handler: maps domain errors to status codes; logs anything else and returns INTERNAL."""
+    """Wraps every handler: maps domain errors to status codes; logs anything else and returns INTERNAL.
+
+    Requests that do not parse reach the handler as a marker and are refused with INVALID_ARGUMENT.
+    """
 
     def intercept_service(self, continuation: Callable[[Any], grpc.RpcMethodHandler | None],
                           handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
@@ -40,19 +72,16 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
+        parse, out = _lenient(handler.request_deserializer), handler.response_serializer
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _guard_unary(handler.unary_unary, method), handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(_guard_unary(handler.unary_unary, method, False), parse, out)
         if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                _guard_stream(handler.stream_stream, method), handler.request_deserializer,
-                handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(_guard_stream(handler.stream_stream, method, True), parse,
+                                                         out)
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _guard_stream(handler.unary_stream, method), handler.request_deserializer,
-                handler.response_serializer)
-        return grpc.stream_unary_rpc_method_handler(
-            _guard_unary(handler.stream_unary, method), handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(_guard_stream(handler.unary_stream, method, False), parse,
+                                                        out)
+        return grpc.stream_unary_rpc_method_handler(_guard_unary(handler.stream_unary, method, True), parse, out)
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
@@ -62,10 +91,14 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> No
     context.abort(code, message)
 
 
-def _guard_unary(fn: Callable, method: str) -> Callable:
+def _requests(request: Any, streaming: bool) -> Any:
+    return (_checked(r) for r in request) if streaming else _checked(request)
+
+
+def _guard_unary(fn: Callable, method: str, streaming: bool) -> Callable:
     def call(request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return fn(request, context)
+            return fn(_requests(request, streaming), context)
         except Exception as exc:
             if isinstance(exc, grpc.RpcError) or context.code() is not None:
                 raise  # already aborted with a status
@@ -73,10 +106,10 @@ def _guard_unary(fn: Callable, method: str) -> Callable:
     return call
 
 
-def _guard_stream(fn: Callable, method: str) -> Callable:
+def _guard_stream(fn: Callable, method: str, streaming: bool) -> Callable:
     def call(request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            yield from fn(request, context)
+            yield from fn(_requests(request, streaming), context)
         except Exception as exc:
             if isinstance(exc, grpc.RpcError) or context.code() is not None:
                 raise
