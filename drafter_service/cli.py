@@ -7,6 +7,7 @@ import logging
 import sys
 
 from drafter_service.bench.commands import add_bench_commands
+from drafter_service.cli_serve import add_serve_commands
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="drafter", description="drafting service for speculative decoding")
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_commands(sub)
     add_bench_commands(sub)
     return parser
 

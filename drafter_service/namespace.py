@@ -15,6 +15,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.drafter import Drafter
 from drafter_service.errors import InvalidArgument, Unavailable
 from drafter_service.tree import DraftTree
+from store.ngram_table import FrozenNGramTable
 
 if TYPE_CHECKING:
     from store.persistence import RedisPersistence
@@ -70,16 +71,19 @@ class Namespace:
         p = self.persistence
         if p is None:
             return 0
-        snapshot = p.load_table()
+        snapshot = p.load_table_snapshot()
         after = "0-0"
         if snapshot is not None:
-            items, after = snapshot
+            items, header = snapshot
+            after = header.get("last_request_id") or "0-0"
             self.drafter.dynamic.load(items)
         stats = p.load_model()
         if stats:
             self.drafter.model.load(stats)
+        cfg = self.drafter.config
         for table_name in p.list_frozen():
-            self.drafter.add_frozen(table_name, p.load_frozen(table_name))
+            entries = p.load_frozen(table_name)
+            self.drafter.add_frozen(table_name, FrozenNGramTable(cfg.leader_len, cfg.follower_len, entries))
         n = 0
         for stream_id, doc, _ in p.iter_requests():
             self.drafter.add_document(doc, learn=_after(stream_id, after))
@@ -99,6 +103,7 @@ class Namespace:
             items = list(self.drafter.dynamic.items())
         p.save_table(items, last)
         p.save_model(self.drafter.model.snapshot())
+        p.trim_requests(self.drafter.config.capacity)  # the log never outgrows what the ring buffer holds
 
     def rebuild(self, kind: str | None = None) -> str | None:
         """Rebuild the suffix index that is due (or ``kind``)."""

@@ -1,0 +1,128 @@
+"""`drafter serve`, `drafter ingest` and `drafter stats`: every serve flag also reads a DRAFTER_* variable."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+from drafter_service.config import DrafterConfig
+from drafter_service.service_config import NamespaceSpec, ServiceConfig
+
+logger = logging.getLogger(__name__)
+
+_DEFAULTS = ServiceConfig()
+_CORE = DrafterConfig()
+
+
+def _env(flag: str) -> str:
+    return "DRAFTER_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _flag(parser: argparse.ArgumentParser, flag: str, kind: Callable[[str], Any], default: Any, help: str) -> None:
+    """A flag whose default comes from its environment variable (DRAFTER_<FLAG>) when set."""
+    var = _env(flag)
+    raw = os.environ.get(var)
+    try:
+        value = kind(raw) if raw is not None else default
+    except ValueError as exc:
+        raise SystemExit(f"{var}={raw!r}: {exc}") from None
+    parser.add_argument(flag, type=kind, default=value, help=f"{help} [env {var}; default {default!r}]")
+
+
+def add_serve_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``serve``, ``ingest`` and ``stats``."""
+    sp = sub.add_parser("serve", help="run the gRPC drafting service")
+    _flag(sp, "--address", str, _DEFAULTS.address, "gRPC listen address")
+    _flag(sp, "--data-dir", str, _DEFAULTS.data_dir, "data folder of the embedded Redis (without --redis-url)")
+    _flag(sp, "--redis-url", str, _DEFAULTS.redis_url, "use this Redis instead of the embedded one")
+    _flag(sp, "--namespaces", str, "", "extra namespaces as NAME=VOCAB_SIZE[,NAME=VOCAB_SIZE...]")
+    _flag(sp, "--vocab-size", int, _DEFAULTS.default_vocab_size, "vocabulary size of the default namespace")
+    _flag(sp, "--capacity", int, _CORE.capacity, "ring buffer size in tokens, per namespace")
+    _flag(sp, "--max-nodes", int, _CORE.max_nodes, "default tree budget")
+    _flag(sp, "--leader-capacity", int, _CORE.leader_capacity, "dynamic n-gram table: most leaders (LC)")
+    _flag(sp, "--follower-capacity", int, _CORE.follower_capacity, "dynamic n-gram table: followers per leader (FC)")
+    _flag(sp, "--rebuild-interval", float, _DEFAULTS.rebuild_interval_s, "seconds between index rebuild checks")
+    _flag(sp, "--snapshot-interval", float, _DEFAULTS.snapshot_interval_s, "seconds between table snapshots")
+    _flag(sp, "--max-message-bytes", int, _DEFAULTS.max_message_bytes, "gRPC message size limit")
+    _flag(sp, "--max-sessions", int, _DEFAULTS.max_sessions, "most live sessions")
+    _flag(sp, "--workers", int, _DEFAULTS.workers, "gRPC worker threads")
+    sp.set_defaults(func=run_serve)
+
+    ip = sub.add_parser("ingest", help="send completed requests from a JSONL file to a running service")
+    ip.add_argument("file", help="JSONL lines with prompt and output token ids (request_id optional)")
+    _flag(ip, "--address", str, _DEFAULTS.address, "service address")
+    ip.add_argument("--namespace", default="", help="target namespace (default: default)")
+    ip.add_argument("--batch", type=int, default=256, help="requests per Ingest call")
+    ip.set_defaults(func=run_ingest)
+
+    st = sub.add_parser("stats", help="print a running service's statistics")
+    _flag(st, "--address", str, _DEFAULTS.address, "service address")
+    st.add_argument("--namespace", default="", help="namespace (default: default)")
+    st.set_defaults(func=run_stats)
+
+
+def config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    """The ServiceConfig described by ``serve``'s flags."""
+    specs = tuple(NamespaceSpec.parse(part) for part in args.namespaces.split(",") if part.strip())
+    core = replace(_CORE, capacity=args.capacity, max_nodes=args.max_nodes, leader_capacity=args.leader_capacity,
+                   follower_capacity=args.follower_capacity)
+    return ServiceConfig(address=args.address, data_dir=args.data_dir, redis_url=args.redis_url, namespaces=specs,
+                         default_vocab_size=args.vocab_size, drafter=core, rebuild_interval_s=args.rebuild_interval,
+                         snapshot_interval_s=args.snapshot_interval, max_message_bytes=args.max_message_bytes,
+                         max_sessions=args.max_sessions, workers=args.workers)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT; state is saved before exiting."""
+    from drafter_service.runtime import Runtime
+
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"bad configuration: {exc}") from None
+    runtime = Runtime(config)
+    t0 = time.perf_counter()
+    try:
+        runtime.start()
+    except Exception:
+        runtime.stop(grace=0)
+        raise
+    print(f"drafter serving on port {runtime.port} ({', '.join(ns.name for ns in config.namespaces)}); "
+          f"ready in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def shutdown(signum: int, frame: object) -> None:
+        logger.info("signal %d: shutting down", signum)
+        runtime.stop()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    runtime.wait()
+    runtime.stop()
+    return 0
+
+
+def run_ingest(args: argparse.Namespace) -> int:
+    """Stream a JSONL file of completed requests to the service in batches, with a progress bar."""
+    from tqdm import tqdm
+
+    from engine_client.admin import ingest_file
+
+    with tqdm(desc="ingest", unit="req", file=sys.stderr) as bar:
+        n, tokens, bad = ingest_file(args.address, args.file, args.namespace, args.batch, progress=bar.update)
+    print(f"ingested {n} requests ({tokens} tokens); {bad} malformed lines skipped")
+    return 0 if n or not bad else 1
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    """Print GetStats as JSON."""
+    from engine_client.admin import stats
+
+    print(json.dumps(stats(args.address, args.namespace), indent=1))
+    return 0
