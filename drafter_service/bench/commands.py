@@ -16,6 +16,7 @@ from drafter_service.bench.datasets import DATASET_NAMES, Request, load_dataset,
 from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
 from drafter_service.bench.protocol import ReplayDrafter
 from drafter_service.bench.replay import CoreDrafter, ReplayResult, replay
+from drafter_service.bench.serve_bench import add_serve_bench
 from drafter_service.config import DrafterConfig
 from store.ngram_table import FrozenNGramTable
 
@@ -45,6 +46,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--requests", type=int, default=200, help="held-out requests whose drafts are timed")
     st.add_argument("--budget", type=int, default=32)
     st.set_defaults(func=run_store)
+    add_serve_bench(bench)
 
 
 def _make_peer(name: str) -> ReplayDrafter | None:

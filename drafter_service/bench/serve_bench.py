@@ -1,0 +1,244 @@
+"""`drafter bench serve`: a load generator against a real service process over loopback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from drafter_service.api.drafter.v1 import drafter_pb2 as pb
+from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
+from drafter_service.bench.datasets import Request, load_dataset
+
+
+def add_serve_bench(bench: argparse._SubParsersAction) -> None:
+    """Register ``bench serve``."""
+    sp = bench.add_parser("serve", help="latency and throughput of a real service process over loopback")
+    sp.add_argument("--tokens", type=int, default=10_000_000, help="tokens stored before measuring")
+    sp.add_argument("--streams", type=int, default=16, help="concurrent DraftStream clients in the throughput run")
+    sp.add_argument("--seconds", type=float, default=10.0, help="length of the throughput run")
+    sp.add_argument("--budget", type=int, default=32, help="tree budget")
+    sp.set_defaults(func=run_serve_bench)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_serving(address: str, timeout: float) -> float:
+    t0 = time.monotonic()
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() - t0 < timeout:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return time.monotonic() - t0
+            except grpc.RpcError:
+                time.sleep(0.05)
+    raise TimeoutError(f"service at {address} not serving after {timeout} s")
+
+
+class ServiceProcess:
+    """``drafter serve`` in a child process with its own embedded Redis."""
+
+    def __init__(self, data_dir: Path, capacity: int) -> None:
+        self.data_dir, self.capacity = data_dir, capacity
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> float:
+        """Start and return the seconds until it answers health checks as SERVING."""
+        exe = str(Path(sys.executable).parent / "drafter")
+        env = {**os.environ, "DRAFTER_VOCAB_SIZE": "49152", "DRAFTER_CAPACITY": str(self.capacity)}
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen([exe, "serve", "--address", self.address, "--data-dir", str(self.data_dir)],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_serving(self.address, 300)
+        return time.monotonic() - t0
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(sig)
+            self.proc.wait(120)
+            self.proc = None
+
+
+def _steps(req: Request, budget: int, draft: Callable[[list[int]], pb.DraftResponse]) -> Iterator[float]:
+    """Replay one request through ``draft`` with greedy acceptance; yields each call's latency in µs."""
+    out = req.output.tolist()
+    pos, accepted = 0, []
+    while pos < len(out):
+        t0 = time.perf_counter_ns()
+        reply = draft(accepted)
+        yield (time.perf_counter_ns() - t0) / 1e3
+        kids: dict[int, dict[int, int]] = {}
+        for i, (tok, par) in enumerate(zip(reply.token_ids, reply.parents)):
+            kids.setdefault(par, {})[tok] = i
+        node, n = -1, 0
+        while pos + n < len(out) and out[pos + n] in kids.get(node, {}):
+            node = kids[node][out[pos + n]]
+            n += 1
+        accepted = out[pos:pos + n + 1]
+        pos += len(accepted)
+
+
+def _session(stub: pb_grpc.DrafterStub, sid: str, req: Request, budget: int, stream: bool, sink: list[float],
+             stop: threading.Event | None = None) -> int:
+    stub.StartSession(pb.StartSessionRequest(session_id=sid, prompt=req.prompt.tolist(), max_nodes=budget))
+    n = 0
+    if stream:
+        outbox: list[pb.DraftRequest] = []
+        cond = threading.Condition()
+
+        def requests() -> Iterator[pb.DraftRequest]:
+            while True:
+                with cond:
+                    cond.wait_for(lambda: outbox)
+                    item = outbox.pop()
+                if item is None:
+                    return
+                yield item
+
+        replies = stub.DraftStream(requests())
+
+        def draft(accepted: list[int]) -> pb.DraftResponse:
+            with cond:
+                outbox.append(pb.DraftRequest(session_id=sid, accepted=accepted))
+                cond.notify()
+            return next(replies)
+    else:
+        def draft(accepted: list[int]) -> pb.DraftResponse:
+            return stub.Draft(pb.DraftRequest(session_id=sid, accepted=accepted))
+    for us in _steps(req, budget, draft):
+        sink.append(us)
+        n += 1
+        if stop is not None and stop.is_set():
+            break
+    if stream:
+        with cond:
+            outbox.append(None)  # type: ignore[arg-type]
+            cond.notify()
+    stub.EndSession(pb.EndSessionRequest(session_id=sid))
+    return n
+
+
+def _pct(xs: list[float]) -> str:
+    return f"p50 {np.percentile(xs, 50):.0f} µs  p99 {np.percentile(xs, 99):.0f} µs  ({len(xs)} calls)"
+
+
+def run_serve_bench(args: argparse.Namespace) -> int:
+    """Fill a service with ShareGPT requests, then measure latency, throughput, rebuild impact and restart."""
+    requests = load_dataset("sharegpt", 3000)
+    held, fill = requests[-300:], requests[:-300]
+    with tempfile.TemporaryDirectory(prefix="drafter-bench-") as tmp:
+        svc = ServiceProcess(Path(tmp) / "data", capacity=int(args.tokens * 1.3) + 1024)
+        svc.start()
+        try:
+            _measure(svc, args, held, fill)
+        finally:
+            svc.stop()
+    return 0
+
+
+def _fill(stub: pb_grpc.DrafterStub, fill: list[Request], tokens: int, start: int = 0) -> int:
+    stored, i = 0, start
+    while stored < tokens:
+        batch = [fill[(i + k) % len(fill)] for k in range(200)]
+        i += 200
+        reply = stub.Ingest(pb.IngestRequest(requests=[pb.Sequence(prompt=r.prompt.tolist(), output=r.output.tolist())
+                                                       for r in batch]), timeout=120)
+        stored += reply.tokens
+    return i
+
+
+def _wait_indexed(stub: pb_grpc.DrafterStub, timeout: float = 300) -> None:
+    t0 = time.monotonic()
+    while stub.GetStats(pb.GetStatsRequest()).unindexed_tokens > 8192:
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError("index not rebuilt")
+        time.sleep(0.5)
+
+
+def _measure(svc: ServiceProcess, args: argparse.Namespace, held: list[Request], fill: list[Request]) -> None:
+    channel = grpc.insecure_channel(svc.address)
+    stub = pb_grpc.DrafterStub(channel)
+    t0 = time.monotonic()
+    cursor = _fill(stub, fill, args.tokens)
+    _wait_indexed(stub)
+    stats = stub.GetStats(pb.GetStatsRequest())
+    print(f"stored {stats.stored_tokens:,} tokens in {stats.stored_requests:,} requests "
+          f"({time.monotonic() - t0:.0f} s including indexing)")
+    unary: list[float] = []
+    streamed: list[float] = []
+    for i, req in enumerate(held[:40]):
+        _session(stub, f"u{i}", req, args.budget, False, unary)
+        _session(stub, f"s{i}", req, args.budget, True, streamed)
+    print(f"unary Draft round trip:       {_pct(unary)}")
+    print(f"DraftStream round trip:       {_pct(streamed)}")
+
+    stop = threading.Event()
+    counts: list[int] = []
+    lat: list[float] = []
+
+    def worker(w: int) -> None:
+        k = 0
+        local: list[float] = []
+        while not stop.is_set():
+            req = held[(w * 7 + k) % len(held)]
+            _session(stub, f"t{w}-{k}", req, args.budget, True, local, stop)
+            k += 1
+        counts.append(len(local))
+        lat.extend(local)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(args.streams)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    time.sleep(args.seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - t0
+    print(f"{args.streams} concurrent streams: {sum(counts) / elapsed:,.0f} drafts/s; {_pct(lat)}")
+
+    idle: list[float] = []
+    for i, req in enumerate(held[40:60]):
+        _session(stub, f"i{i}", req, args.budget, True, idle)
+    age = stub.GetStats(pb.GetStatsRequest()).index_age_seconds
+    _fill(stub, fill, int(stats.stored_tokens * 0.3), cursor)  # enough new tokens to make a main rebuild due
+    during: list[float] = []
+    deadline = time.monotonic() + 60
+    k = 0
+    rebuilt = False
+    while time.monotonic() < deadline and not rebuilt:
+        _session(stub, f"r{k}", held[60 + k % 200], args.budget, True, during)
+        k += 1
+        s = stub.GetStats(pb.GetStatsRequest())
+        rebuilt = s.unindexed_tokens <= 8192 and s.index_age_seconds < age
+    print(f"idle:                         {_pct(idle)}")
+    print(f"during a main index rebuild:  {_pct(during)}  ratio p99 {np.percentile(during, 99) / np.percentile(idle, 99):.2f}")
+    channel.close()
+
+    total = stub_tokens = 0
+    svc.stop(signal.SIGKILL)
+    ready = svc.start()
+    with grpc.insecure_channel(svc.address) as channel:
+        s = pb_grpc.DrafterStub(channel).GetStats(pb.GetStatsRequest())
+        stub_tokens, total = s.stored_tokens, s.stored_requests
+    print(f"restart after SIGKILL with {stub_tokens:,} tokens ({total:,} requests): serving in {ready:.1f} s")
