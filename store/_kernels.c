@@ -12,6 +12,15 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_X86_TARGETS 1
+#else
+#define HAVE_X86_TARGETS 0
+#endif
 
 #define PREFETCH_AHEAD 32
 #define STACK_TOKENS 256
@@ -274,6 +283,18 @@ static int find_all(const int32_t *a, Py_ssize_t n, int32_t t, int64_t base, int
 
 /* ---- the suffix index handle ---------------------------------------------------------------------- */
 
+/* A suffix-array entry i ends at absolute position end - 1 - sa[i]. Once the ring buffer has overwritten
+ * positions below oldest > start, an occurrence of ``held`` tokens ending there is still held exactly
+ * when end - 1 - sa[i] - (held - 1) >= oldest, i.e. when sa[i] <= n - 1 - (oldest + held - 1 - start):
+ * a comparison against one threshold, so the index needs nothing beyond its two arrays to skip the
+ * overwritten occurrences; a lookup that answers from such a range filters it in one vectorised pass
+ * into a live map of its own (freed with the result). Index is immutable once built. Its one extra is a
+ * table of where each value of the keys' top BUCKET_BITS bits begins (2**min(bits, BUCKET_BITS) + 1
+ * uint32 entries, at most 16 KiB whatever the number of tokens): the first token's range when tokens
+ * have at most BUCKET_BITS bits, else a bucket that every search starts in. */
+
+#define BUCKET_BITS 12
+
 typedef struct {
     PyObject_HEAD
     Py_buffer keys_view, sa_view;
@@ -284,42 +305,29 @@ typedef struct {
     Py_ssize_t n;
     int64_t start, end;
     int bits, tpk;
-    Py_ssize_t *first;  /* (2**bits + 1,) keys before each first digit, or NULL for wide tokens */
-    int32_t *inv;       /* (ninv,) suffix-array entry of the occurrence ending at position start + q */
-    Py_ssize_t ninv;
-    /* Entries ending at positions start + [0, marked) (the oldest, overwritten first), as a bitmap over
-     * suffix-array entries with per-block counts; allocated on first use. */
-    uint64_t *dead;     /* (nwords,) */
-    uint16_t *dead_blk; /* (nwords / 8,) set bits per 512 entries */
-    Py_ssize_t nwords;
-    int64_t marked;
+    /* (2**bucket_bits + 1,) keys before each value of the top bucket_bits bits of the first token
+     * (the whole token when bucket_bits == bits), or NULL */
+    uint32_t *bucket;
+    int bucket_bits;
 } IndexObject;
 
-#define FIRST_TABLE_MAX_BITS 18
-#define BLOCK_WORDS 8
-
 static void index_dealloc(IndexObject *self) {
-    PyMem_Free(self->first);
-    PyMem_Free(self->inv);
-    PyMem_Free(self->dead);
-    PyMem_Free(self->dead_blk);
+    PyMem_Free(self->bucket);
     if (self->held & 1) PyBuffer_Release(&self->keys_view);
     if (self->held & 2) PyBuffer_Release(&self->sa_view);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static int index_init(IndexObject *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"keys", "sa", "start", "end", "bits", "tokens_per_key", "inverse", NULL};
+    static char *names[] = {"keys", "sa", "start", "end", "bits", "tokens_per_key", NULL};
     PyObject *keys, *sa;
     long long start, end;
     int bits, tpk;
-    Py_ssize_t ninv = 0;
     if (self->held) {
         PyErr_SetString(PyExc_TypeError, "Index is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOLLii|n", names, &keys, &sa, &start, &end, &bits, &tpk,
-                                     &ninv))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOLLii", names, &keys, &sa, &start, &end, &bits, &tpk))
         return -1;
     if (PyObject_GetBuffer(keys, &self->keys_view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
     self->held |= 1;
@@ -345,6 +353,10 @@ static int index_init(IndexObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "unsupported key layout");
         return -1;
     }
+    if ((uint64_t)n > (uint64_t)INT32_MAX + 1) {
+        PyErr_SetString(PyExc_ValueError, "more entries than an int32 suffix array holds");
+        return -1;
+    }
     self->keys = (const uint64_t *)self->keys_view.buf;
     self->sa = (const int32_t *)self->sa_view.buf;
     self->n = n;
@@ -352,53 +364,36 @@ static int index_init(IndexObject *self, PyObject *args, PyObject *kwds) {
     self->end = end;
     self->bits = bits;
     self->tpk = tpk;
-    if (bits <= FIRST_TABLE_MAX_BITS) {
-        Py_ssize_t digits = (Py_ssize_t)1 << bits;
-        self->first = PyMem_Calloc((size_t)digits + 1, sizeof(Py_ssize_t));
-        if (self->first == NULL) {
+    int bb = bits < BUCKET_BITS ? bits : BUCKET_BITS;
+    if (n) {
+        Py_ssize_t buckets = (Py_ssize_t)1 << bb;
+        self->bucket = PyMem_Calloc((size_t)buckets + 1, sizeof(uint32_t));
+        if (self->bucket == NULL) {
             PyErr_NoMemory();
             return -1;
         }
-        int shift = bits * (tpk - 1);
+        int shift = bits * tpk - bb; /* keys occupy their low bits * tpk bits */
+        uint64_t prev = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
-            uint64_t d = self->keys[i] >> shift;
-            if (d >= (uint64_t)digits) {
-                PyErr_SetString(PyExc_ValueError, "key wider than the key layout");
+            uint64_t k = self->keys[i];
+            uint64_t d = k >> shift;
+            if (d >= (uint64_t)buckets || k < prev) {
+                PyErr_SetString(PyExc_ValueError, "keys are not sorted keys of this layout");
                 return -1;
             }
-            self->first[d + 1]++;
+            prev = k;
+            self->bucket[d + 1]++;
         }
-        for (Py_ssize_t d = 0; d < digits; d++) self->first[d + 1] += self->first[d];
+        for (Py_ssize_t d = 0; d < buckets; d++) self->bucket[d + 1] += self->bucket[d];
+        self->bucket_bits = bb;
     }
-    if (ninv < 0) ninv = 0;
-    if (ninv > n) ninv = n;
-    if (ninv) {
-        self->inv = PyMem_Malloc((size_t)ninv * sizeof(int32_t));
-        if (self->inv == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        memset(self->inv, 0xff, (size_t)ninv * sizeof(int32_t));
-        const int32_t *s = self->sa;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            Py_ssize_t q = n - 1 - (Py_ssize_t)s[i];
-            if (q >= 0 && q < ninv) self->inv[q] = (int32_t)i;
-        }
-        for (Py_ssize_t q = 0; q < ninv; q++)
-            if (self->inv[q] < 0) {
-                PyErr_SetString(PyExc_ValueError, "sa is not a permutation of its positions");
-                return -1;
-            }
-    }
-    self->ninv = ninv;
     self->ready = 1;
     return 0;
 }
 
 static PyObject *index_nbytes(IndexObject *self, void *closure) {
-    Py_ssize_t b = self->ninv * (Py_ssize_t)sizeof(int32_t);
-    if (self->first) b += (((Py_ssize_t)1 << self->bits) + 1) * (Py_ssize_t)sizeof(Py_ssize_t);
-    if (self->dead) b += self->nwords * 8 + (self->nwords / BLOCK_WORDS + 1) * 2;
+    Py_ssize_t b = 0;
+    if (self->bucket) b += (((Py_ssize_t)1 << self->bucket_bits) + 1) * (Py_ssize_t)sizeof(uint32_t);
     return PyLong_FromSsize_t(b);
 }
 
@@ -412,73 +407,14 @@ static PyTypeObject IndexType = {
     .tp_name = "store._kernels.Index",
     .tp_basicsize = sizeof(IndexObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = PyDoc_STR("Index(keys, sa, start, end, bits, tokens_per_key, inverse=0): a suffix index's "
-                        "arrays held for native matching (keeps them alive). The ``inverse`` oldest "
-                        "positions get an inverse suffix array, so that lookups skip them cheaply once "
-                        "they are overwritten."),
+    .tp_doc = PyDoc_STR("Index(keys, sa, start, end, bits, tokens_per_key): a suffix index's arrays held "
+                        "for native matching (keeps them alive). Beyond them it holds only a table of "
+                        "at most 2**12 + 1 uint32 bucket offsets (see nbytes)."),
     .tp_getset = index_getset,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)index_init,
     .tp_dealloc = (destructor)index_dealloc,
 };
-
-/* Set bits of x (the builtin is a library call unless the build targets a CPU with popcnt). */
-static inline int popcount64(uint64_t x) {
-#ifdef __POPCNT__
-    return __builtin_popcountll(x);
-#else
-    x = x - ((x >> 1) & 0x5555555555555555ULL);
-    x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
-    x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
-    return (int)((x * 0x0101010101010101ULL) >> 56);
-#endif
-}
-
-/* Marks exactly the entries ending at positions start + [0, want) dead; want <= ninv. */
-static int dead_sync(IndexObject *ix, int64_t want) {
-    if (ix->dead == NULL) {
-        if (want == 0) return 0;
-        ix->nwords = (ix->n + 63) / 64;
-        ix->dead = PyMem_Calloc((size_t)ix->nwords, sizeof(uint64_t));
-        ix->dead_blk = PyMem_Calloc((size_t)(ix->nwords / BLOCK_WORDS + 1), sizeof(uint16_t));
-        ix->marked = 0;
-        if (ix->dead == NULL || ix->dead_blk == NULL) {
-            PyMem_Free(ix->dead);
-            PyMem_Free(ix->dead_blk);
-            ix->dead = NULL;
-            ix->dead_blk = NULL;
-            PyErr_NoMemory();
-            return -1;
-        }
-    }
-    while (ix->marked < want) {
-        int32_t e = ix->inv[ix->marked++];
-        ix->dead[e >> 6] |= (uint64_t)1 << (e & 63);
-        ix->dead_blk[e >> 9]++;
-    }
-    while (ix->marked > want) {
-        int32_t e = ix->inv[--ix->marked];
-        ix->dead[e >> 6] &= ~((uint64_t)1 << (e & 63));
-        ix->dead_blk[e >> 9]--;
-    }
-    return 0;
-}
-
-/* Dead entries in [a, b). */
-static Py_ssize_t dead_in(const IndexObject *ix, Py_ssize_t a, Py_ssize_t b) {
-    if (ix->dead == NULL || a >= b || ix->marked == 0) return 0;
-    const uint64_t *d = ix->dead;
-    Py_ssize_t wa = a >> 6, wb = b >> 6;
-    uint64_t lead = ~(uint64_t)0 << (a & 63);
-    if (wa == wb) return popcount64(d[wa] & lead & (((uint64_t)1 << (b & 63)) - 1));
-    Py_ssize_t c = popcount64(d[wa] & lead), w = wa + 1;
-    for (; w < wb && (w % BLOCK_WORDS); w++) c += popcount64(d[w]);
-    Py_ssize_t blocks = (wb - w) / BLOCK_WORDS, b0 = w / BLOCK_WORDS;
-    for (Py_ssize_t i = 0; i < blocks; i++) c += ix->dead_blk[b0 + i];
-    for (w += blocks * BLOCK_WORDS; w < wb; w++) c += popcount64(d[w]);
-    if (b & 63) c += popcount64(d[wb] & (((uint64_t)1 << (b & 63)) - 1));
-    return c;
-}
 
 /* Index of the k-th (from 0) set bit of x, which has more than k. */
 static inline int select_bit(uint64_t x, Py_ssize_t k) {
@@ -494,56 +430,170 @@ static inline int select_bit(uint64_t x, Py_ssize_t k) {
     return 8 * byte + __builtin_ctzll(x);
 }
 
-/* Live entries among the 64 of a dead-bitmap word. */
-static inline int live_in_word(uint64_t dead) { return dead ? 64 - popcount64(dead) : 64; }
+/* Which of the len entries s[0, len) are at most thr (the held occurrences, see above), in one pass:
+ * bit j of live[w] for entry 64 w + j, cnt[w] its set bits. Returns the total. Variants for the
+ * instruction sets at hand (chosen when the module loads, see ``simd``) give the same maps. */
+typedef Py_ssize_t (*LiveMapFn)(const int32_t *s, Py_ssize_t len, int32_t thr, uint64_t *live, uint8_t *cnt);
 
-/* Suffix-array index of the k-th (from 0) live entry at or after p; one exists before the range's end. */
-static Py_ssize_t live_select(const IndexObject *ix, Py_ssize_t p, Py_ssize_t k) {
-    const uint64_t *d = ix->dead;
-    Py_ssize_t w = p >> 6;
-    uint64_t x = ~d[w] & (~(uint64_t)0 << (p & 63));
-    for (;;) {
-        Py_ssize_t c = popcount64(x);
-        if (k < c) return (w << 6) + select_bit(x, k);
-        k -= c;
-        w++;
-        if (w % BLOCK_WORDS == 0) break;
-        x = ~d[w];
+/* Words from w on, one entry at a time. */
+static Py_ssize_t live_map_words(const int32_t *s, Py_ssize_t len, int32_t thr, uint64_t *live, uint8_t *cnt,
+                                 Py_ssize_t w) {
+    Py_ssize_t total = 0;
+    for (; 64 * w < len; w++) {
+        Py_ssize_t m = len - 64 * w < 64 ? len - 64 * w : 64;
+        const int32_t *p = s + 64 * w;
+        uint64_t word = 0;
+        int c = 0;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            uint64_t held = p[j] <= thr;
+            word |= held << j;
+            c += (int)held;
+        }
+        live[w] = word;
+        cnt[w] = (uint8_t)c;
+        total += c;
     }
-    for (Py_ssize_t b = w / BLOCK_WORDS;; b++, w += BLOCK_WORDS) {
-        Py_ssize_t c = 64 * BLOCK_WORDS - ix->dead_blk[b];
-        if (k < c) break;
-        k -= c;
+    return total;
+}
+
+static Py_ssize_t live_map_scalar(const int32_t *s, Py_ssize_t len, int32_t thr, uint64_t *live, uint8_t *cnt) {
+    return live_map_words(s, len, thr, live, cnt, 0);
+}
+
+#if defined(__SSE2__)
+static Py_ssize_t live_map_sse2(const int32_t *s, Py_ssize_t len, int32_t thr, uint64_t *live, uint8_t *cnt) {
+    Py_ssize_t total = 0, w = 0;
+    const __m128i t = _mm_set1_epi32(thr);
+    for (; 64 * (w + 1) <= len; w++) {
+        const int32_t *p = s + 64 * w;
+        uint64_t dead = 0;
+        __m128i acc = _mm_setzero_si128();
+        for (int q = 0; q < 16; q++) {
+            __m128i d = _mm_cmpgt_epi32(_mm_loadu_si128((const __m128i *)(p + 4 * q)), t);
+            acc = _mm_sub_epi32(acc, d);
+            dead |= (uint64_t)(unsigned)_mm_movemask_ps(_mm_castsi128_ps(d)) << (4 * q);
+        }
+        acc = _mm_add_epi32(acc, _mm_shuffle_epi32(acc, 0x4e));
+        acc = _mm_add_epi32(acc, _mm_shuffle_epi32(acc, 0xb1));
+        int c = 64 - _mm_cvtsi128_si32(acc);
+        live[w] = ~dead;
+        cnt[w] = (uint8_t)c;
+        total += c;
     }
-    for (;; w++) {
-        Py_ssize_t c = live_in_word(d[w]);
-        if (k < c) return (w << 6) + select_bit(~d[w], k);
-        k -= c;
+    return total + live_map_words(s, len, thr, live, cnt, w);
+}
+#endif
+
+#if HAVE_X86_TARGETS
+__attribute__((target("avx2,popcnt"))) static Py_ssize_t live_map_avx2(const int32_t *s, Py_ssize_t len,
+                                                                       int32_t thr, uint64_t *live,
+                                                                       uint8_t *cnt) {
+    Py_ssize_t total = 0, w = 0;
+    const __m256i t = _mm256_set1_epi32(thr);
+    for (; 64 * (w + 1) <= len; w++) {
+        const int32_t *p = s + 64 * w;
+        uint64_t dead = 0;
+        for (int q = 0; q < 8; q++) {
+            __m256i d = _mm256_cmpgt_epi32(_mm256_loadu_si256((const __m256i *)(p + 8 * q)), t);
+            dead |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(d)) << (8 * q);
+        }
+        int c = 64 - __builtin_popcountll(dead);
+        live[w] = ~dead;
+        cnt[w] = (uint8_t)c;
+        total += c;
     }
+    return total + live_map_words(s, len, thr, live, cnt, w);
+}
+#endif
+
+static const struct {
+    const char *name;
+    LiveMapFn fn;
+} live_maps[] = {
+#if HAVE_X86_TARGETS
+    {"avx2", live_map_avx2},
+#endif
+#if defined(__SSE2__)
+    {"sse2", live_map_sse2},
+#endif
+    {"scalar", live_map_scalar},
+};
+
+static int live_map_choice; /* index into live_maps, set when the module loads */
+
+static inline Py_ssize_t live_map(const int32_t *s, Py_ssize_t len, int32_t thr, uint64_t *live, uint8_t *cnt) {
+    return live_maps[live_map_choice].fn(s, len, thr, live, cnt);
+}
+
+static int live_map_supported(int i) {
+#if HAVE_X86_TARGETS
+    if (live_maps[i].fn == live_map_avx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
+#endif
+    (void)i;
+    return 1;
 }
 
 /* A search result of one source: match length, counts, and the occurrences of the longest match in the
- * reference's order: a list (ends), or lazily the live entries of the suffix-array range [lo, hi). */
+ * reference's order: a list (ends), or lazily the suffix-array range [lo, hi), restricted to its entries
+ * with sa <= thr when ``filtered`` (a live map of them is built only when the occurrences are needed,
+ * see seg_ready). */
 typedef struct {
     int64_t m;
     Py_ssize_t ncounts; /* entries of counts (m with the current reference) */
     int64_t *counts;    /* caller's storage for at least max(limit, 1) entries */
     int lazy;
     const IndexObject *ix;
-    Py_ssize_t lo, hi, ndead; /* ndead > 0: skip the entries dead in ix */
+    Py_ssize_t lo, hi, nlive; /* nlive: entries held, once known */
+    int filtered, mapped;
+    int32_t thr;
+    uint64_t *live;     /* (words,) live map of [lo, hi) when filtered and mapped (see live_map) */
+    uint8_t *cnt;       /* (words,) */
+    Py_ssize_t mapcap;  /* words allocated (one block: live, then cnt) */
     Vec ends;
 } Seg;
 
-static inline Py_ssize_t seg_len(const Seg *s) { return s->lazy ? s->hi - s->lo - s->ndead : s->ends.n; }
+static inline Py_ssize_t seg_len(const Seg *s) { return s->lazy ? s->nlive : s->ends.n; }
 
 static void seg_init(Seg *s, int64_t *counts) {
     memset(s, 0, sizeof(*s));
     s->counts = counts;
 }
 
-static void seg_free(Seg *s) { vec_free(&s->ends); }
+static void seg_free(Seg *s) {
+    vec_free(&s->ends);
+    PyMem_Free(s->live);
+    s->live = NULL;
+    s->cnt = NULL;
+    s->mapcap = 0;
+}
 
-/* Appends the segment's entries first, first + step, ... (positions) to out. */
+/* Room for a live map of ``words`` words. */
+static int seg_map_reserve(Seg *s, Py_ssize_t words) {
+    if (words <= s->mapcap) return 0;
+    Py_ssize_t c = s->mapcap ? s->mapcap : 64;
+    while (c < words) c *= 2;
+    void *p = PyMem_Realloc(s->live, (size_t)c * (sizeof(uint64_t) + 1));
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    s->live = p;
+    s->cnt = (uint8_t *)(s->live + c);
+    s->mapcap = c;
+    return 0;
+}
+
+/* Makes the segment's occurrences countable and samplable (seg_len, seg_sample): builds the live map of a
+ * filtered range. */
+static int seg_ready(Seg *s) {
+    if (!s->lazy || !s->filtered || s->mapped) return 0;
+    if (seg_map_reserve(s, (s->hi - s->lo + 63) / 64) < 0) return -1;
+    s->nlive = live_map(s->ix->sa + s->lo, s->hi - s->lo, s->thr, s->live, s->cnt);
+    s->mapped = 1;
+    return 0;
+}
+
+/* Appends the segment's entries first, first + step, ... (positions) to out; seg_ready was called. */
 static int seg_sample(const Seg *s, Py_ssize_t first, Py_ssize_t step, Vec *out) {
     Py_ssize_t len = seg_len(s);
     if (first >= len) return 0;
@@ -555,18 +605,20 @@ static int seg_sample(const Seg *s, Py_ssize_t first, Py_ssize_t step, Vec *out)
     } else {
         const int32_t *sa = s->ix->sa;
         int64_t top = s->ix->end - 1;
-        if (s->ndead == 0) {
+        if (!s->filtered) {
             Py_ssize_t p0 = s->lo + first;
             for (Py_ssize_t t = 0; t < cnt; t++) {
                 if (t + PREFETCH_AHEAD < cnt) __builtin_prefetch(sa + p0 + (t + PREFETCH_AHEAD) * step);
                 o[t] = top - (int64_t)sa[p0 + t * step];
             }
-        } else {
-            Py_ssize_t p = live_select(s->ix, s->lo, first);
-            for (Py_ssize_t t = 0; t < cnt; t++) {
-                o[t] = p; /* suffix-array indices first, then the (prefetched) reads */
-                __builtin_prefetch(sa + p);
-                if (t + 1 < cnt) p = live_select(s->ix, p + 1, step - 1);
+        } else { /* the held entries of ranks first, first + step, ..., found on the live map */
+            const uint64_t *live = s->live;
+            const uint8_t *wc = s->cnt;
+            Py_ssize_t w = 0, rank = 0, want = first;
+            for (Py_ssize_t t = 0; t < cnt; t++, want += step) {
+                while (rank + wc[w] <= want) rank += wc[w++];
+                o[t] = s->lo + 64 * w + select_bit(live[w], want - rank); /* entries first, then the */
+                __builtin_prefetch(sa + o[t]);                             /* (prefetched) reads */
             }
             for (Py_ssize_t t = 0; t < cnt; t++) o[t] = top - (int64_t)sa[o[t]];
         }
@@ -601,24 +653,6 @@ static int scan_core(const Ring *r, int64_t start, int64_t stop, const int64_t *
     out->m = m;
     out->ncounts = m;
     return 0;
-}
-
-static inline Py_ssize_t lower_bound(const uint64_t *a, Py_ssize_t lo, Py_ssize_t hi, uint64_t x) {
-    while (lo < hi) {
-        Py_ssize_t mid = lo + ((hi - lo) >> 1);
-        if (a[mid] < x) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
-}
-
-static inline Py_ssize_t upper_bound(const uint64_t *a, Py_ssize_t lo, Py_ssize_t hi, uint64_t x) {
-    while (lo < hi) {
-        Py_ssize_t mid = lo + ((hi - lo) >> 1);
-        if (a[mid] <= x) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
 }
 
 /* Lower bounds of lows[i] and upper bounds of highs[i] in keys[lo, hi) (hi > lo), all searches in
@@ -669,21 +703,23 @@ static int index_core(IndexObject *ix, const int64_t *ctx, Py_ssize_t clen, int6
         highs[i] = ((value + 1) << shift) - 1;
     }
     Py_ssize_t los[64], his[64];
-    if (ix->first) {
-        los[0] = ix->first[ctx[0] + 1];
-        his[0] = ix->first[ctx[0] + 2];
-    } else {
-        los[0] = lower_bound(ix->keys, 0, ix->n, lows[0]);
-        his[0] = upper_bound(ix->keys, los[0], ix->n, highs[0]);
+    int64_t m = 0;
+    if (ix->bucket_bits == ix->bits) { /* the table holds the first token's range */
+        los[0] = ix->bucket[ctx[0] + 1];
+        his[0] = ix->bucket[ctx[0] + 2];
+        if (his[0] == los[0]) return 0;
+        out->counts[0] = his[0] - los[0];
+        m = 1;
+    } else { /* every range lies inside the first token's bucket */
+        uint64_t d = (uint64_t)(ctx[0] + 1) >> (ix->bits - ix->bucket_bits);
+        los[0] = ix->bucket[d];
+        his[0] = ix->bucket[d + 1];
+        if (his[0] == los[0]) return 0;
     }
-    if (his[0] == los[0]) return 0;
-    int64_t m = 1;
-    out->counts[0] = his[0] - los[0];
-    if (k > 1) {
-        /* inside the first token's range the bounds of every longer prefix are those over all keys */
-        bounds_lockstep(ix->keys, los[0], his[0], lows + 1, highs + 1, (int)(k - 1), los + 1, his + 1);
-        for (; m < k && his[m] > los[m]; m++) out->counts[m] = his[m] - los[m];
-    }
+    if (k > m) /* bounds over all keys equal those inside a range that holds them */
+        bounds_lockstep(ix->keys, los[0], his[0], lows + m, highs + m, (int)(k - m), los + m, his + m);
+    for (; m < k && his[m] > los[m]; m++) out->counts[m] = his[m] - los[m];
+    if (m == 0) return 0;
     int64_t top = ix->end - 1;
     const int32_t *sa = ix->sa;
     if (m == k && limit > k) {
@@ -703,37 +739,31 @@ static int index_core(IndexObject *ix, const int64_t *ctx, Py_ssize_t clen, int6
             return 0;
         }
     }
-    /* Every key-level occurrence lies inside the snapshot; those ending below oldest + held - 1 were
-     * (partly) overwritten, and the longest match still held may be shorter. */
+    /* Every key-level occurrence of held tokens lies inside the snapshot, so it ends at or after
+     * start + held - 1 (sa <= n - held); once the ring has overwritten positions below oldest > start,
+     * those ending below oldest + held - 1 (sa > thr) are (partly) gone, and the longest match still
+     * held may be shorter. */
+    int stale = oldest > ix->start;
     for (int64_t held = m; held > 0; held--) {
         Py_ssize_t a = los[held - 1], b = his[held - 1];
         int64_t over = oldest + (held - 1) - ix->start; /* occurrences ending at start + [0, over) drop */
-        if (over <= 0 || over <= ix->ninv) {
-            Py_ssize_t nd = 0;
-            if (over > 0) {
-                if (dead_sync(ix, over) < 0) return -1;
-                nd = dead_in(ix, a, b);
-                if (nd == b - a) continue;
-            }
-            out->m = out->ncounts = held;
-            out->lazy = 1;
-            out->ix = ix;
-            out->lo = a;
-            out->hi = b;
-            out->ndead = nd;
-            return 0;
+        if (stale && over >= ix->n) continue;           /* nothing of the index is held */
+        int32_t thr = stale ? (int32_t)(ix->n - 1 - over) : INT32_MAX;
+        if (stale) { /* is any occurrence held? (the map, a pass over the range, waits until needed) */
+            Py_ssize_t p = a;
+            while (p < b && sa[p] > thr) p++;
+            if (p == b) continue;
         }
-        if (vec_reserve(&out->ends, b - a) < 0) return -1;
-        Py_ssize_t c = 0;
-        for (Py_ssize_t p = a; p < b; p++) {
-            int64_t e = top - (int64_t)sa[p];
-            if (e - (held - 1) >= oldest) out->ends.v[c++] = e;
-        }
-        out->ends.n = c;
-        if (c) {
-            out->m = out->ncounts = held;
-            return 0;
-        }
+        out->m = out->ncounts = held;
+        out->lazy = 1;
+        out->ix = ix;
+        out->lo = a;
+        out->hi = b;
+        out->filtered = stale;
+        out->mapped = 0;
+        out->thr = thr;
+        out->nlive = b - a; /* exact once mapped when filtered */
+        return 0;
     }
     return 0;
 }
@@ -780,9 +810,12 @@ static int copy_ints(const IntArg *a, Py_ssize_t from, Py_ssize_t n, int reverse
     return 1;
 }
 
-static PyObject *match_triple(int64_t m, const int64_t *counts, Py_ssize_t ncounts, const Seg *s) {
+static PyObject *match_triple(int64_t m, const int64_t *counts, Py_ssize_t ncounts, Seg *s) {
     Vec ends = {0};
-    if (seg_sample(s, 0, 1, &ends) < 0) return NULL; /* before any call back into Python */
+    if (seg_ready(s) < 0 || seg_sample(s, 0, 1, &ends) < 0) { /* before any call back into Python */
+        vec_free(&ends);
+        return NULL;
+    }
     PyObject *out = NULL, *c = i64_array(counts, ncounts), *e = c ? i64_array(ends.v, ends.n) : NULL;
     if (e != NULL) out = Py_BuildValue("(LNN)", (long long)m, c, e);
     else Py_XDECREF(c);
@@ -1136,6 +1169,7 @@ static PyObject *py_store_lookup(PyObject *mod, PyObject *const *args, Py_ssize_
         if (segs[i].ncounts == segs[i].m)
             for (int64_t j = 0; j < segs[i].m; j++) sum[j] += segs[i].counts[j];
         if (segs[i].m == m) {
+            if (seg_ready(&segs[i]) < 0) goto done;
             longest[nl++] = &segs[i];
             n_ends += seg_len(&segs[i]);
         }
@@ -1215,7 +1249,37 @@ done:
     return res;
 }
 
+PyDoc_STRVAR(simd_doc,
+"simd(name=None) -> str\n\n"
+"The instruction set that filters overwritten suffix-array entries (\"avx2\", \"sse2\" or \"scalar\"; the\n"
+"fastest this CPU runs is chosen on import); with a name, switch to it first (ValueError when this CPU or\n"
+"build lacks it). Every choice gives the same results.");
+
+static PyObject *py_simd(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs > 1) {
+        PyErr_SetString(PyExc_TypeError, "simd() takes at most one argument");
+        return NULL;
+    }
+    if (nargs == 1 && args[0] != Py_None) {
+        const char *name = PyUnicode_Check(args[0]) ? PyUnicode_AsUTF8(args[0]) : NULL;
+        if (name == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "simd() takes a str");
+            return NULL;
+        }
+        int found = -1;
+        for (int i = 0; i < (int)(sizeof(live_maps) / sizeof(live_maps[0])); i++)
+            if (strcmp(live_maps[i].name, name) == 0 && live_map_supported(i)) found = i;
+        if (found < 0) {
+            PyErr_Format(PyExc_ValueError, "instruction set %R is not available here", args[0]);
+            return NULL;
+        }
+        live_map_choice = found;
+    }
+    return PyUnicode_FromString(live_maps[live_map_choice].name);
+}
+
 static PyMethodDef kernel_methods[] = {
+    {"simd", (PyCFunction)(void (*)(void))py_simd, METH_FASTCALL, simd_doc},
     {"scan_matches", (PyCFunction)(void (*)(void))py_scan_matches, METH_FASTCALL, scan_matches_doc},
     {"extend_matches", (PyCFunction)(void (*)(void))py_extend_matches, METH_FASTCALL, extend_matches_doc},
     {"continuations", (PyCFunction)(void (*)(void))py_continuations, METH_FASTCALL, continuations_doc},
@@ -1248,6 +1312,11 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     Py_DECREF(dtype);
     if (dtype_i64 == NULL || dtype_i32 == NULL) return NULL;
     if (PyType_Ready(&IndexType) < 0) return NULL;
+#if HAVE_X86_TARGETS
+    __builtin_cpu_init();
+#endif
+    live_map_choice = 0;
+    while (!live_map_supported(live_map_choice)) live_map_choice++; /* the last one always is */
     PyObject *m = PyModule_Create(&kernels_module);
     if (m == NULL) return NULL;
     Py_INCREF(&IndexType);

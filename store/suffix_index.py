@@ -13,9 +13,6 @@ from store.match_kernels import extend_matches, pack_pattern
 
 logger = logging.getLogger(__name__)
 
-INVERSE_MIN = 1 << 16
-"""Oldest positions of an index that the C kernels can always skip cheaply once they are overwritten."""
-
 
 def key_layout(max_token: int) -> tuple[int, int]:
     """Bits per token and tokens per uint64 key for ids up to ``max_token`` (0 is kept for separators)."""
@@ -75,10 +72,8 @@ class SuffixIndex:
         if match_kernels.compiled is None:
             return None
         try:
-            # an inverse suffix array over the oldest eighth lets lookups skip overwritten occurrences
-            inverse = min(len(self), max(INVERSE_MIN, len(self) // 8))
             return match_kernels.compiled.Index(self._keys, self._sa, self.start, self.end, self.bits,
-                                                self.tokens_per_key, inverse)
+                                                self.tokens_per_key)
         except (TypeError, ValueError) as exc:
             logger.warning("suffix index left to numpy matching: %s", exc)
             return None
@@ -97,7 +92,7 @@ class SuffixIndex:
 
     @property
     def nbytes(self) -> int:
-        """Memory held by the index arrays."""
+        """Memory held by the index: the suffix array, the keys and the native handle's small bucket table."""
         native = self.native_index.nbytes if self.native_index is not None else 0
         return int(self._sa.nbytes + self._keys.nbytes) + native
 

@@ -25,9 +25,24 @@ if match_kernels.compiled is None:
 
 KERNELS = match_kernels.compiled
 WIDE = (None, 1 << 18, 1 << 20, (1 << 31) - 1)
-"""Token ids that widen the key layout: no first-token table (> 18 bits), 3 or 2 tokens a key."""
+"""Token ids that widen the key layout (> 12 bits: bucket table instead of a first-token table), 3 or 2 tokens a key."""
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _simd_available(name: str) -> bool:
+    before = KERNELS.simd()
+    try:
+        KERNELS.simd(name)
+    except ValueError:
+        return False
+    finally:
+        KERNELS.simd(before)
+    return True
+
+
+SIMD = [name for name in ("avx2", "sse2", "scalar") if _simd_available(name)]
+"""Instruction sets this machine runs for filtering overwritten suffix-array entries (scalar always)."""
 
 
 @pytest.fixture(autouse=True)
@@ -49,14 +64,14 @@ def numpy_only() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def inverse_min(value: int) -> Iterator[None]:
-    """Indexes built inside the block get an inverse suffix array over max(value, n // 8) positions."""
-    before = suffix_index.INVERSE_MIN
-    suffix_index.INVERSE_MIN = value
+def simd(name: str) -> Iterator[None]:
+    """Filter overwritten suffix-array entries with this instruction set inside the block."""
+    before = KERNELS.simd()
+    KERNELS.simd(name)
     try:
         yield
     finally:
-        suffix_index.INVERSE_MIN = before
+        KERNELS.simd(before)
 
 
 def assert_same(got: Continuations, want: Continuations) -> None:
@@ -84,12 +99,11 @@ def stores(draw: st.DrawFn, max_docs: int = 24, max_capacity: int = 160) -> tupl
     store = TokenStore(capacity=draw(st.integers(4, max_capacity)), tail_tokens=draw(st.integers(1, 40)),
                        max_candidates=draw(st.integers(1, 6)), max_examined=draw(st.integers(1, 8)))
     docs = draw(st.lists(st.lists(st.sampled_from(alphabet), max_size=24), max_size=max_docs))
-    with inverse_min(draw(st.sampled_from([0, 2, 1 << 16]))):
-        for doc in docs:
-            store.append(doc)
-            kind = draw(st.sampled_from([None, None, "due", "main", "delta"]))
-            if kind is not None:
-                store.rebuild(None if kind == "due" else kind)
+    for doc in docs:
+        store.append(doc)
+        kind = draw(st.sampled_from([None, None, "due", "main", "delta"]))
+        if kind is not None:
+            store.rebuild(None if kind == "due" else kind)
     store.check_invariants()
     return store, alphabet
 
@@ -144,7 +158,8 @@ def test_index_match_equals_numpy_reference_for_any_oldest(data: st.DataObject) 
         oldest = ring.oldest + data.draw(st.integers(0, ring.capacity))  # pretend more was overwritten
         max_match = data.draw(st.integers(1, 14))
         max_candidates = data.draw(st.integers(1, 6))
-        got = idx.match(ctx_rev, ring.view(), oldest, max_match, max_candidates)
+        with simd(data.draw(st.sampled_from(SIMD))):
+            got = idx.match(ctx_rev, ring.view(), oldest, max_match, max_candidates)
         with numpy_only():
             want = idx.match_numpy(ctx_rev, ring.view(), oldest, max_match, max_candidates)
         assert_same_triple(got, want)
@@ -220,28 +235,89 @@ def _fill(store: TokenStore, rng: np.random.Generator, docs: int, vocab: int) ->
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_larger_stores_in_every_index_state(seed: int) -> None:
-    """Thousands of tokens: multi-word bitmaps of overwritten entries, wide searches, sampling caps."""
+    """Thousands of tokens: long ranges of overwritten entries, wide searches, sampling caps."""
     rng = np.random.default_rng(seed)
     vocab = (2, 3, 1 << 19)[seed]
-    with inverse_min((1 << 16, 0, 1 << 16)[seed]):
-        store = TokenStore(capacity=3000, tail_tokens=400, max_candidates=(4096, 7, 50)[seed],
-                           max_examined=(1024, 5, 40)[seed])
-        _fill(store, rng, 120, min(vocab, 3) if seed < 2 else 3)
-        store.rebuild("main")
-        for phase in range(4):
-            _fill(store, rng, 15, 3)  # wraps: the main index becomes stale
-            if phase == 2:
-                store.rebuild("delta")
-            held = store.ring.read(store.ring.oldest, store.ring.end)
-            for _ in range(40):
-                cut = int(rng.integers(1, held.size))
-                ctx = held[max(0, cut - int(rng.integers(1, 40))):cut]
-                ctx = ctx[ctx >= 0] if rng.random() < 0.8 else rng.integers(0, 3, 12)
-                args = (int(rng.integers(1, 40)), int(rng.integers(1, 40)), int(rng.integers(0, 20)))
-                got = store.lookup(ctx, *args)
+    store = TokenStore(capacity=3000, tail_tokens=400, max_candidates=(4096, 7, 50)[seed],
+                       max_examined=(1024, 5, 40)[seed])
+    _fill(store, rng, 120, min(vocab, 3) if seed < 2 else 3)
+    store.rebuild("main")
+    for phase in range(4):
+        _fill(store, rng, 15, 3)  # wraps: the main index becomes stale
+        if phase == 2:
+            store.rebuild("delta")
+        held = store.ring.read(store.ring.oldest, store.ring.end)
+        for _ in range(40):
+            cut = int(rng.integers(1, held.size))
+            ctx = held[max(0, cut - int(rng.integers(1, 40))):cut]
+            ctx = ctx[ctx >= 0] if rng.random() < 0.8 else rng.integers(0, 3, 12)
+            args = (int(rng.integers(1, 40)), int(rng.integers(1, 40)), int(rng.integers(0, 20)))
+            got = store.lookup(ctx, *args)
+            with numpy_only():
+                want = store.lookup(ctx, *args)
+            assert_same(got, want)
+
+
+@pytest.mark.parametrize("isa", SIMD)
+@pytest.mark.parametrize("wide", [None, 5000, 1 << 20])
+def test_wrapped_main_index_skips_overwritten_entries_like_numpy(wide: int | None, isa: str) -> None:
+    """Long key-level ranges partly overwritten, sampled with small and large caps (first-token table,
+    bucket table over wide ids), with every instruction set."""
+    with simd(isa):
+        _check_wrapped_main_index(wide)
+
+
+def _check_wrapped_main_index(wide: int | None) -> None:
+    rng = np.random.default_rng(7)
+    alphabet = np.array([0, 1, 2] + ([wide] if wide is not None else []))
+    store = TokenStore(capacity=6000, tail_tokens=1 << 20)
+    while store.ring.end < 12000:
+        base = alphabet[rng.integers(0, alphabet.size, int(rng.integers(1, 50)))]
+        store.append(np.concatenate([base, base[: int(rng.integers(0, base.size + 1))]]))
+    store.rebuild("main")
+    main = store._indexes.main
+    assert main.native_index is not None
+    for step in range(5):
+        for _ in range(4 if step else 0):  # overwrite more of the main index, never rebuilding it
+            store.append(alphabet[rng.integers(0, alphabet.size, int(rng.integers(100, 400)))])
+        assert step == 0 or store.ring.oldest > main.start
+        held = store.ring.read(store.ring.oldest, store.ring.end)
+        ring = store.ring.view()
+        for trial in range(30):
+            cut = int(rng.integers(1, held.size))
+            ctx = held[max(0, cut - int(rng.integers(1, 12))):cut]
+            ctx = ctx[ctx >= 0]
+            if ctx.size == 0:
+                continue
+            store.max_candidates = (1, 5, 4096)[trial % 3]
+            store.max_examined = (1, 3, 1024, 2)[trial % 4]
+            args = (int(rng.integers(1, 16)), int(rng.integers(1, 40)), int(rng.integers(0, 8)))
+            got = store.lookup(ctx, *args)
+            with numpy_only():
+                want = store.lookup(ctx, *args)
+            assert_same(got, want)
+            ctx_rev = ctx[::-1].astype(np.int64)
+            for oldest in (store.ring.oldest, main.start + int(rng.integers(0, len(main) + 1))):
+                got_t = main.match(ctx_rev, ring, oldest, args[0], store.max_candidates)
                 with numpy_only():
-                    want = store.lookup(ctx, *args)
-                assert_same(got, want)
+                    want_t = main.match_numpy(ctx_rev, ring, oldest, args[0], store.max_candidates)
+                assert_same_triple(got_t, want_t)
+
+
+@pytest.mark.parametrize("max_token", [2, 4095, 49151, (1 << 31) - 1])
+def test_index_holds_nothing_per_token_beyond_its_two_arrays(max_token: int) -> None:
+    """4-byte suffix array + 8-byte keys per token, and a bucket table of at most 2**12 + 1 uint32."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 3, 20000).astype(np.int32)
+    tokens[::7] = max_token
+    tokens[::97] = -1
+    idx = suffix_index.SuffixIndex(tokens, 0)
+    handle = idx.native_index
+    assert handle is not None
+    table = (1 << min(idx.bits, 12)) + 1
+    assert handle.nbytes == table * 4 <= 16388
+    assert idx.nbytes == 12 * len(idx) + handle.nbytes
+    assert (4 + 12) * 10_000_000 + handle.nbytes < 16.005 * 10_000_000  # 16.00 bytes a token at 10M
 
 
 def test_empty_store_unseen_tokens_and_unusual_arguments_agree() -> None:
@@ -283,6 +359,20 @@ def test_native_entry_points_decline_what_they_do_not_handle() -> None:
         KERNELS.Index(np.zeros(3, np.int64), np.zeros(3, np.int32), 0, 3, 4, 16)
     with pytest.raises(ValueError):
         KERNELS.Index(np.zeros(3, np.uint64), np.zeros(2, np.int32), 0, 3, 4, 16)
+    with pytest.raises(ValueError):  # unsorted keys
+        KERNELS.Index(np.array([3, 1, 2], np.uint64), np.zeros(3, np.int32), 0, 3, 4, 16)
+    with pytest.raises(ValueError):  # a key wider than 2 tokens of 4 bits
+        KERNELS.Index(np.array([1, 1 << 8], np.uint64), np.zeros(2, np.int32), 0, 2, 4, 2)
+
+
+def test_simd_choice_defaults_to_the_fastest_and_rejects_what_is_missing() -> None:
+    assert KERNELS.simd() == SIMD[0]
+    assert "scalar" in SIMD
+    with pytest.raises(ValueError):
+        KERNELS.simd("neon")
+    with pytest.raises(TypeError):
+        KERNELS.simd(3)
+    assert KERNELS.simd(None) == SIMD[0]
 
 
 def test_use_native_switches_paths_and_the_environment_forces_numpy() -> None:
