@@ -7,7 +7,6 @@ import logging
 from typing import Callable, Iterator
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
@@ -66,4 +65,5 @@ def stats(address: str, namespace: str = "", timeout: float = 10.0) -> dict:
     """GetStats of a namespace as a plain dictionary."""
     with grpc.insecure_channel(address) as channel:
         reply = pb_grpc.DrafterStub(channel).GetStats(pb.GetStatsRequest(namespace=namespace), timeout=timeout)
-    return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return {f.name: list(getattr(reply, f.name)) if f.is_repeated else getattr(reply, f.name)
+            for f in reply.DESCRIPTOR.fields}
