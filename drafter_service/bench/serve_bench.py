@@ -158,6 +158,26 @@ def _wait_indexed(stub: pb_grpc.DrafterStub, timeout: float = 300) -> None:
         time.sleep(0.5)
 
 
+def _echo_floor(reqs: list[Request], budget: int) -> tuple[list[float], list[float]]:
+    """Round trips to ``echo_server`` (no drafting at all) with the same client code."""
+    address = f"127.0.0.1:{_free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "drafter_service.bench.echo_server", address],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        proc.stdout.readline()
+        unary: list[float] = []
+        streamed: list[float] = []
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.DrafterStub(channel)
+            for i, req in enumerate(reqs):
+                _session(stub, f"u{i}", req, budget, False, unary)
+                _session(stub, f"s{i}", req, budget, True, streamed)
+        return unary, streamed
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 async def _throughput(address: str, held: list[Request], streams: int, seconds: float, budget: int
                       ) -> tuple[int, float]:
     """``streams`` sessions at a time, each on its own DraftStream, advancing 3 recorded tokens per draft
@@ -184,7 +204,8 @@ async def _throughput(address: str, held: list[Request], streams: int, seconds: 
                     n += 1
                     accepted, pos = out[pos:pos + 3], pos + 3
                 await call.done_writing()
-                await call
+                while await call.read() != grpc.aio.EOF:
+                    pass
                 await stub.EndSession(pb.EndSessionRequest(session_id=sid))
             counts.append(n)
 
@@ -208,6 +229,10 @@ def _measure(svc: ServiceProcess, args: argparse.Namespace, held: list[Request],
         _session(stub, f"s{i}", held[2 * i + 1], args.budget, True, streamed)
     print(f"unary Draft round trip:       {_pct(unary)}")
     print(f"DraftStream round trip:       {_pct(streamed)}")
+    echo_unary, echo_stream = _echo_floor(held[:20], args.budget)
+    print(f"  transport alone (a server that does no work), same client:")
+    print(f"  unary:                      {_pct(echo_unary)}")
+    print(f"  stream:                     {_pct(echo_stream)}")
 
     drafts, elapsed = asyncio.run(_throughput(svc.address, held, args.streams, args.seconds, args.budget))
     print(f"{args.streams} concurrent streams: {drafts / elapsed:,.0f} drafts/s over {elapsed:.1f} s")
