@@ -14,6 +14,7 @@ from drafter_service.server import create_server
 from drafter_service.service import DrafterService
 from drafter_service.service_config import ServiceConfig
 from store.embedded_redis import EmbeddedRedis
+from store.index_worker import IndexWorker
 from store.persistence import RedisPersistence
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class Runtime:
         self.server: grpc.Server | None = None
         self.port = 0
         self._scheduler = None
+        self._worker: IndexWorker | None = None
         self._stopped = threading.Event()
 
     def start(self) -> "Runtime":
@@ -41,6 +43,10 @@ class Runtime:
             url = self.redis.url
             logger.info("embedded Redis on %s, data in %s", url, cfg.data_dir)
         self.service = DrafterService(cfg, lambda name, vocab: RedisPersistence(url, name, vocab_size=vocab))
+        if cfg.rebuild_in_subprocess:
+            self._worker = IndexWorker()
+            for ns in self.service.namespaces.values():
+                ns.drafter.store.builder = self._worker.build_arrays
         t0 = time.perf_counter()
         restored = self.service.restore()
         logger.info("restored %s in %.2f s", restored, time.perf_counter() - t0)
@@ -59,6 +65,8 @@ class Runtime:
             self._scheduler.shutdown(wait=True)
         if self.service is not None:
             self.service.snapshot()
+        if self._worker is not None:
+            self._worker.close()
         if self.redis is not None:
             self.redis.stop()
         logger.info("stopped")

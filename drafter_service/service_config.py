@@ -52,6 +52,7 @@ class ServiceConfig:
         default_vocab_size: vocabulary size of the default namespace.
         drafter: sizes and policies of every namespace's core (its vocab_size is overridden per namespace).
         rebuild_interval_s: how often the background job checks whether a suffix index rebuild is due.
+        rebuild_in_subprocess: build suffix indexes in a child process, so serving threads keep the GIL.
         snapshot_interval_s: how often dynamic tables and acceptance statistics are saved.
         max_message_bytes: gRPC message size limit, both directions.
         max_request_tokens: most tokens in one prompt, one accepted list or one ingested request.
@@ -69,6 +70,7 @@ class ServiceConfig:
     default_vocab_size: int = 262144
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     rebuild_interval_s: float = 1.0
+    rebuild_in_subprocess: bool = True
     snapshot_interval_s: float = 30.0
     max_message_bytes: int = 64 * 1024 * 1024
     max_request_tokens: int = 1 << 20

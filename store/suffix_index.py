@@ -20,6 +20,37 @@ def key_layout(max_token: int) -> tuple[int, int]:
     return bits, max(1, 64 // bits)
 
 
+def build_arrays(snapshot: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Suffix array and packed keys of a snapshot, reversed.
+
+    Args:
+        snapshot: (n,) int32 tokens, separators -1.
+
+    Returns:
+        (sa (n,) int32 reversed-suffix starts in sorted order, keys (n,) uint64 sorted, bits, tokens per key).
+    """
+    n = int(snapshot.size)
+    bits, per_key = key_layout(int(snapshot.max(initial=0)))
+    rev = np.ascontiguousarray(snapshot[::-1], dtype=np.int32)
+    sa = pydivsufsort.divsufsort(rev).astype(np.int32, copy=False) if n else np.zeros(0, dtype=np.int32)
+    return sa, _pack_keys(rev, sa, bits, per_key), bits, per_key
+
+
+def _pack_keys(rev: np.ndarray, sa: np.ndarray, bits: int, per_key: int) -> np.ndarray:
+    """(n,) uint64: the first ``per_key`` tokens of each reversed suffix, token + 1, zero from a separator on."""
+    n = rev.size
+    keys = np.zeros(n, dtype=np.uint64)
+    alive = np.ones(n, dtype=bool)
+    for j in range(per_key):
+        idx = sa.astype(np.int64) + j
+        tok = np.full(n, -1, dtype=np.int64)
+        inside = idx < n
+        tok[inside] = rev[idx[inside]]
+        alive &= tok >= 0
+        keys = (keys << np.uint64(bits)) | (np.where(alive, tok + 1, 0).astype(np.uint64))
+    return keys
+
+
 class SuffixIndex:
     """Immutable suffix index over the tokens at absolute positions [start, end) of a ring buffer.
 
@@ -31,42 +62,22 @@ class SuffixIndex:
     reading the live ring buffer.
     """
 
-    def __init__(self, snapshot: np.ndarray, start: int) -> None:
-        """Build the index.
+    def __init__(self, snapshot: np.ndarray, start: int,
+                 arrays: tuple[np.ndarray, np.ndarray, int, int] | None = None) -> None:
+        """Build the index (or wrap arrays built elsewhere by ``build_arrays``).
 
         Args:
             snapshot: (n,) int32 writable tokens at absolute positions [start, start + n), separators -1.
             start: absolute position of ``snapshot[0]``.
+            arrays: (sa, keys, bits, tokens_per_key) as ``build_arrays`` returns them for this snapshot.
         """
         t0 = time.perf_counter()
-        n = int(snapshot.size)
         self.start = int(start)
-        self.end = self.start + n
-        max_token = int(snapshot.max(initial=0))
-        self.bits, self.tokens_per_key = key_layout(max_token)
-        rev = np.ascontiguousarray(snapshot[::-1], dtype=np.int32)
-        if n:
-            self._sa = pydivsufsort.divsufsort(rev).astype(np.int32, copy=False)  # (n,) reversed-suffix starts
-        else:
-            self._sa = np.zeros(0, dtype=np.int32)
-        self._keys = self._pack_keys(rev)  # (n,) uint64, sorted
-        del rev
+        self.end = self.start + int(snapshot.size)
+        self._sa, self._keys, self.bits, self.tokens_per_key = arrays or build_arrays(snapshot)
         self.native_index = self._native_index()  # store._kernels.Index over _keys and _sa, or None
         self.build_seconds = time.perf_counter() - t0
-        logger.debug("suffix index over %d tokens built in %.3f s", n, self.build_seconds)
-
-    def _pack_keys(self, rev: np.ndarray) -> np.ndarray:
-        n = rev.size
-        keys = np.zeros(n, dtype=np.uint64)
-        alive = np.ones(n, dtype=bool)
-        for j in range(self.tokens_per_key):
-            idx = self._sa.astype(np.int64) + j
-            tok = np.full(n, -1, dtype=np.int64)
-            inside = idx < n
-            tok[inside] = rev[idx[inside]]
-            alive &= tok >= 0
-            keys = (keys << np.uint64(self.bits)) | (np.where(alive, tok + 1, 0).astype(np.uint64))
-        return keys
+        logger.debug("suffix index over %d tokens built in %.3f s", len(self), self.build_seconds)
 
     def _native_index(self) -> object | None:
         if match_kernels.compiled is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -89,6 +89,11 @@ class TokenStore:
         self.max_examined = int(max_examined)
         self._indexes = _Indexes(None, None)
         self._rebuild_lock = threading.Lock()
+        self.builder: Callable[[np.ndarray], tuple] | None = None  # e.g. IndexWorker.build_arrays
+
+    def _index(self, tokens: np.ndarray, start: int) -> SuffixIndex:
+        arrays = self.builder(tokens) if self.builder is not None else None
+        return SuffixIndex(tokens, start, arrays)
 
     # -- writing ---------------------------------------------------------------------------------------
 
@@ -134,13 +139,13 @@ class TokenStore:
                 return None
             tokens, start = self.ring.snapshot()
             if kind == "main":
-                self._indexes = _Indexes(SuffixIndex(tokens, start) if tokens.size else None, None)
+                self._indexes = _Indexes(self._index(tokens, start) if tokens.size else None, None)
             elif kind == "delta":
                 main = self._indexes.main
                 if main is None or main.end <= start:  # nothing of the main index is held any more
-                    self._indexes = _Indexes(SuffixIndex(tokens, start), None)
+                    self._indexes = _Indexes(self._index(tokens, start), None)
                     return "main"
-                self._indexes = _Indexes(main, SuffixIndex(tokens[main.end - start:].copy(), main.end))
+                self._indexes = _Indexes(main, self._index(tokens[main.end - start:].copy(), main.end))
             else:
                 raise ValueError(f"unknown rebuild kind {kind!r}")
             return kind

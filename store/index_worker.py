@@ -1,0 +1,101 @@
+"""Suffix index builds in a child process, so a rebuild never competes for the serving process's GIL."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
+
+from store.suffix_index import build_arrays
+
+logger = logging.getLogger(__name__)
+
+
+def _serve() -> None:
+    """Child loop on stdin/stdout: a line "SHM_NAME N" names a snapshot in shared memory; the reply line is
+    "ok OUT_NAME BITS PER_KEY" (suffix array then keys in new shared memory) or "error MESSAGE"."""
+    for line in sys.stdin:
+        try:
+            name, n_text = line.split()
+            n = int(n_text)
+            shm = SharedMemory(name=name)
+            resource_tracker.unregister(shm._name, "shared_memory")  # the parent owns and unlinks it
+            snapshot = np.ndarray((n,), dtype=np.int32, buffer=shm.buf).copy()
+            shm.close()
+            sa, keys, bits, per_key = build_arrays(snapshot)
+            out = SharedMemory(create=True, size=max(1, n * 12))
+            resource_tracker.unregister(out._name, "shared_memory")  # handed over: the parent unlinks it
+            np.ndarray((n,), dtype=np.int32, buffer=out.buf)[:] = sa
+            np.ndarray((n,), dtype=np.uint64, buffer=out.buf, offset=n * 4)[:] = keys
+            out.close()
+            print(f"ok {out.name} {bits} {per_key}", flush=True)
+        except Exception as exc:  # reported to the parent, which then builds in-process
+            print(f"error {exc!r}".replace("\n", " "), flush=True)
+
+
+class IndexWorker:
+    """A long-lived child process (a fresh interpreter: the parent runs gRPC threads) that builds indexes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+
+    def _ensure(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = subprocess.Popen([sys.executable, "-m", "store.index_worker"], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True, bufsize=1)
+        return self._proc
+
+    def build_arrays(self, snapshot: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Same result as ``suffix_index.build_arrays``, computed in the child process.
+
+        Falls back to building here when the child fails.
+        """
+        n = int(snapshot.size)
+        if n == 0:
+            return build_arrays(snapshot)
+        with self._lock:
+            shm = SharedMemory(create=True, size=n * 4)
+            try:
+                np.ndarray((n,), dtype=np.int32, buffer=shm.buf)[:] = snapshot
+                proc = self._ensure()
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(f"{shm.name} {n}\n")
+                proc.stdin.flush()
+                reply = proc.stdout.readline().split()
+            except (OSError, ValueError) as exc:
+                reply = ["error", repr(exc)]
+            finally:
+                shm.close()
+                shm.unlink()
+        if len(reply) != 4 or reply[0] != "ok":
+            logger.warning("index builder process failed (%s); building in-process", " ".join(reply) or "no reply")
+            self.close()
+            return build_arrays(snapshot)
+        out = SharedMemory(name=reply[1])
+        try:
+            sa = np.ndarray((n,), dtype=np.int32, buffer=out.buf).copy()
+            keys = np.ndarray((n,), dtype=np.uint64, buffer=out.buf, offset=n * 4).copy()
+        finally:
+            out.close()
+            out.unlink()
+        return sa, keys, int(reply[2]), int(reply[3])
+
+    def close(self) -> None:
+        """Stop the child process."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.stdin.close()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    _serve()
