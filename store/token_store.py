@@ -114,16 +114,21 @@ class TokenStore:
         return self.ring.end - self.indexed_end
 
     def rebuild_due(self) -> str | None:
-        """Which rebuild is worth running now: "main", "delta" or None."""
+        """Which rebuild is worth running now: "main", "delta" or None.
+
+        The scanned tail is brought back under ``tail_tokens`` first (a delta build is quick: it covers only
+        what arrived since the main index); the main index is rebuilt once the tail is small, when what it
+        misses plus what the ring overwrote exceeds ``delta_fraction`` of it.
+        """
         idx = self._indexes
-        main_len = len(idx.main) if idx.main is not None else 0
-        delta_len = (len(idx.delta) if idx.delta is not None else 0) + self.unindexed
-        if self.unindexed < self.tail_tokens:
-            return None
-        overwritten = max(0, self.ring.oldest - idx.main.start) if idx.main is not None else 0
-        if idx.main is None or overwritten + delta_len > self.delta_fraction * main_len:
-            return "main"
-        return "delta"
+        if idx.main is None:
+            return "main" if self.unindexed >= self.tail_tokens else None
+        if self.unindexed >= self.tail_tokens:
+            return "delta"
+        main_len = len(idx.main)
+        missed = (len(idx.delta) if idx.delta is not None else 0) + self.unindexed
+        overwritten = max(0, self.ring.oldest - idx.main.start)
+        return "main" if missed + overwritten > self.delta_fraction * main_len else None
 
     def rebuild(self, kind: str | None = None) -> str | None:
         """Rebuild an index (the due one when ``kind`` is None) and swap it in.

@@ -182,13 +182,14 @@ def test_rebuild_kinds() -> None:
     assert store.rebuild_due() == "delta" and store.rebuild() == "delta"
     assert (store.indexed_end, store.unindexed) == (9, 0)
     store.append([7, 8, 9])
-    assert store.rebuild_due() == "main"  # delta plus tail (8) would exceed the main index (5)
     with pytest.raises(ValueError):
         store.rebuild("bogus")
     stats = store.stats()
     assert stats["tokens"] == 13 and stats["documents"] == 4
     assert stats["indexed_tokens"] == 9 and stats["unindexed_tokens"] == 4
     assert stats["ring_bytes"] == 64 * 4 and stats["index_bytes"] > 0
+    assert store.rebuild_due() == "delta" and store.rebuild() == "delta"  # the scanned tail first
+    assert store.rebuild_due() == "main"  # then: the delta (8) exceeds the main index (5)
     store.check_invariants()
 
 
@@ -375,5 +376,9 @@ def test_full_ring_rebuilds_the_small_index_until_much_of_the_main_one_is_overwr
     assert store.rebuild() == "delta"
     for _ in range(12):  # 120 + 20 new, as many overwritten: 280 > 0.25 * 1000
         store.append(list(range(9)))
-    assert store.rebuild_due() == "main"
+    assert store.rebuild_due() == "delta"  # the scanned tail is indexed first...
+    assert store.rebuild() == "delta"
+    assert store.rebuild_due() == "main"  # ...then the main index, while lookups stay cheap
+    assert store.rebuild() == "main"
+    assert store.rebuild_due() is None
     store.check_invariants()
