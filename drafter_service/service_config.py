@@ -77,7 +77,7 @@ class ServiceConfig:
     max_ingest_requests: int = 10000
     max_nodes_limit: int = 1024
     max_sessions: int = 100000
-    workers: int = 16
+    workers: int = 64
 
     def __post_init__(self) -> None:
         names = [ns.name for ns in self.namespaces]
