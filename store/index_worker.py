@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ logger = logging.getLogger(__name__)
 def _serve() -> None:
     """Child loop on stdin/stdout: a line "SHM_NAME N" names a snapshot in shared memory; the reply line is
     "ok OUT_NAME BITS PER_KEY" (suffix array then keys in new shared memory) or "error MESSAGE"."""
+    os.nice(10)  # a rebuild yields the CPU to the serving process
     for line in sys.stdin:
         try:
             name, n_text = line.split()
@@ -36,6 +39,26 @@ def _serve() -> None:
             print(f"ok {out.name} {bits} {per_key}", flush=True)
         except Exception as exc:  # reported to the parent, which then builds in-process
             print(f"error {exc!r}".replace("\n", " "), flush=True)
+
+
+def _adopt(name: str, size: int) -> mmap.mmap | bytes:
+    """Map the child's result and unlink its name: the arrays then view it without a copy made while holding
+    the GIL, and the memory is freed with the last array. Falls back to a copy where /dev/shm is not used."""
+    path = f"/dev/shm/{name.lstrip('/')}"
+    if os.path.exists(path):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mem = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        return mem
+    shm = SharedMemory(name=name)
+    try:
+        return bytes(shm.buf[:size])
+    finally:
+        shm.close()
+        shm.unlink()
 
 
 class IndexWorker:
@@ -77,13 +100,9 @@ class IndexWorker:
             logger.warning("index builder process failed (%s); building in-process", " ".join(reply) or "no reply")
             self.close()
             return build_arrays(snapshot)
-        out = SharedMemory(name=reply[1])
-        try:
-            sa = np.ndarray((n,), dtype=np.int32, buffer=out.buf).copy()
-            keys = np.ndarray((n,), dtype=np.uint64, buffer=out.buf, offset=n * 4).copy()
-        finally:
-            out.close()
-            out.unlink()
+        mem = _adopt(reply[1], n * 12)
+        sa = np.frombuffer(mem, dtype=np.int32, count=n)
+        keys = np.frombuffer(mem, dtype=np.uint64, count=n, offset=n * 4)
         return sa, keys, int(reply[2]), int(reply[3])
 
     def close(self) -> None:
