@@ -21,7 +21,10 @@ logger = logging.getLogger(__name__)
 def _serve() -> None:
     """Child loop on stdin/stdout: a line "SHM_NAME N" names a snapshot in shared memory; the reply line is
     "ok OUT_NAME BITS PER_KEY" (suffix array then keys in new shared memory) or "error MESSAGE"."""
-    os.nice(10)  # a rebuild yields the CPU to the serving process
+    try:  # a rebuild only takes CPU time the serving process leaves idle
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
     for line in sys.stdin:
         try:
             name, n_text = line.split()
