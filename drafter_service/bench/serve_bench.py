@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from drafter_service.bench.datasets import Request, load_dataset
+from drafter_service.tree import DraftTree, accept_greedy
 
 
 def add_serve_bench(bench: argparse._SubParsersAction) -> None:
@@ -88,13 +89,8 @@ def _steps(req: Request, budget: int, draft: Callable[[list[int]], pb.DraftRespo
         t0 = time.perf_counter_ns()
         reply = draft(accepted)
         yield (time.perf_counter_ns() - t0) / 1e3
-        kids: dict[int, dict[int, int]] = {}
-        for i, (tok, par) in enumerate(zip(reply.token_ids, reply.parents)):
-            kids.setdefault(par, {})[tok] = i
-        node, n = -1, 0
-        while pos + n < len(out) and out[pos + n] in kids.get(node, {}):
-            node = kids[node][out[pos + n]]
-            n += 1
+        tree = DraftTree(tuple(reply.token_ids), tuple(reply.parents), tuple(reply.probs), reply.score)
+        n, _ = accept_greedy(tree, out[pos:])
         accepted = out[pos:pos + n + 1]
         pos += len(accepted)
 

@@ -9,6 +9,7 @@ from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from drafter_service.config import DrafterConfig
 from drafter_service.drafter import Drafter
 from drafter_service.server import create_server
+from drafter_service.tree import accept_greedy
 from drafter_service.service_config import NamespaceSpec, ServiceConfig
 
 VOCAB = 1000
@@ -54,11 +55,7 @@ def test_every_rpc_and_drafts_equal_the_in_process_core(running):
         assert list(resp.token_ids) == list(tree.token_ids)
         assert list(resp.parents) == list(tree.parents)
         assert list(resp.probs) == pytest.approx(list(tree.probs), rel=1e-6)
-        kids = tree.children()
-        node, n = -1, 0
-        while pos + n < len(output) and output[pos + n] in kids.get(node, {}):
-            node = kids[node][output[pos + n]]
-            n += 1
+        n, _ = accept_greedy(tree, output[pos:])
         accepted = output[pos:pos + n + 1]
         pos += len(accepted)
         steps += 1
