@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import re
 import time
 import uuid
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import redis
+
+from store.table_codec import Items, decode_items, encode_items
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +26,6 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _FORMATS_KEY = "drafter:formats"  # unversioned hash: namespace -> layout version that owns it
 _CHUNK_BYTES = 64 << 20  # largest blob stored in one hash field
 _TEMP_TTL_S = 3600  # a snapshot abandoned half-written expires on its own
-
-Items = Iterable[tuple[Sequence[int], Iterable[tuple[Sequence[int], int]]]]
 
 # Append a batch of requests. Each stream id is "<end>-0" where <end> counts every slot a ring buffer
 # gives the requests so far (tokens plus one separator each), so ids increase and say where each request
@@ -69,17 +68,6 @@ def validate_name(name: str, what: str = "name") -> str:
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise ValueError(f"{what} must match [A-Za-z0-9_.-]{{1,64}}, got {name!r}")
     return name
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @contextmanager
@@ -337,59 +325,6 @@ class RedisPersistence:
 
     # -- n-gram tables ---------------------------------------------------------------------------------------
 
-    def _encode(self, items: Items) -> tuple[dict, dict[str, np.ndarray]]:
-        """Flatten (leader, [(follower, count), ...]) pairs into arrays, keeping every order."""
-        leaders: list[int] = []
-        fanout: list[int] = []
-        followers: list[int] = []
-        counts: list[int] = []
-        ll = fl = None
-        for lead, fols in items:
-            lead = tuple(lead)
-            ll = len(lead) if ll is None else ll
-            if len(lead) != ll:
-                raise ValueError(f"leaders of different lengths: {ll} and {len(lead)}")
-            leaders.extend(lead)
-            n = 0
-            for fol, count in fols:
-                fol = tuple(fol)
-                fl = len(fol) if fl is None else fl
-                if len(fol) != fl:
-                    raise ValueError(f"followers of different lengths: {fl} and {len(fol)}")
-                followers.extend(fol)
-                counts.append(count)
-                n += 1
-            fanout.append(n)
-        ll, fl = ll or 0, fl or 0
-        arrays = {
-            "leaders": np.array(leaders, dtype=np.int64).reshape(len(fanout), ll),  # (L, LL) token ids
-            "fanout": np.array(fanout, dtype=np.int32),  # (L,) followers of each leader
-            "followers": np.array(followers, dtype=np.int64).reshape(len(counts), fl),  # (F, FL) token ids
-            "counts": np.array(counts, dtype=np.int64),  # (F,) insertions or corpus counts
-        }
-        limit = self.vocab_size if self.vocab_size is not None else 1 << 31
-        for name in ("leaders", "followers"):
-            arr = arrays[name]
-            if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit):
-                raise ValueError(f"{name} hold token ids outside [0, {limit})")
-            arrays[name] = arr.astype(np.int32)
-        header = {"format": FORMAT_VERSION, "leader_len": ll, "follower_len": fl,
-                  "leaders": len(fanout), "followers": len(counts)}
-        return header, arrays
-
-    @staticmethod
-    def _decode(arrays: dict[str, np.ndarray]) -> list[tuple[tuple[int, ...], list[tuple[tuple[int, ...], int]]]]:
-        """The (leader, [(follower, count), ...]) pairs of ``_encode``'s arrays, in order."""
-        with _gc_paused():  # millions of small containers: the cyclic collector would rescan them over and over
-            leaders = list(map(tuple, arrays["leaders"].tolist()))
-            followers = list(zip(map(tuple, arrays["followers"].tolist()), arrays["counts"].tolist()))
-            stops = np.cumsum(arrays["fanout"], dtype=np.int64).tolist()
-            out, start = [], 0
-            for lead, stop in zip(leaders, stops):
-                out.append((lead, followers[start:stop]))
-                start = stop
-        return out
-
     def save_table(self, items: Items, last_request_id: str | None = None) -> dict:
         """Replace the dynamic table snapshot atomically.
 
@@ -401,9 +336,8 @@ class RedisPersistence:
         Returns:
             The snapshot's header (sizes, lengths, time).
         """
-        with _gc_paused():
-            header, arrays = self._encode(items)
-        header.update(kind="table", saved_at=time.time(), last_request_id=last_request_id)
+        header, arrays = encode_items(items, self.vocab_size if self.vocab_size is not None else 1 << 31)
+        header.update(format=FORMAT_VERSION, kind="table", saved_at=time.time(), last_request_id=last_request_id)
         self._write_blobs(self.table_key, header, arrays)
         return header
 
@@ -415,7 +349,7 @@ class RedisPersistence:
     def load_table_snapshot(self) -> tuple[list, dict] | None:
         """The dynamic table snapshot's items and header (with ``last_request_id``) read in one step, or None."""
         found = self._read_blobs(self.table_key)
-        return None if found is None else (self._decode(found[1]), found[0])
+        return None if found is None else (decode_items(found[1]), found[0])
 
     def table_info(self) -> dict | None:
         """Header of the dynamic table snapshot (sizes, saved_at, last_request_id), or None."""
@@ -429,9 +363,9 @@ class RedisPersistence:
     def save_frozen(self, name: str, entries: "Items | dict") -> None:
         """Store (or replace) a frozen table: leader -> [(follower, count), ...] in the table's order."""
         key = self._frozen_key(name)
-        with _gc_paused():
-            header, arrays = self._encode(entries.items() if isinstance(entries, dict) else entries)
-        header.update(kind="frozen", name=name, saved_at=time.time())
+        header, arrays = encode_items(entries.items() if isinstance(entries, dict) else entries,
+                                      self.vocab_size if self.vocab_size is not None else 1 << 31)
+        header.update(format=FORMAT_VERSION, kind="frozen", name=name, saved_at=time.time())
         self._write_blobs(key, header, arrays, extra=lambda tx: tx.sadd(self.frozen_set_key, name))
 
     def load_frozen(self, name: str) -> dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]]:
@@ -443,7 +377,7 @@ class RedisPersistence:
         found = self._read_blobs(self._frozen_key(name))
         if found is None:
             raise KeyError(f"no frozen table {name!r} in namespace {self.namespace!r}")
-        return dict(self._decode(found[1]))
+        return dict(decode_items(found[1]))
 
     def list_frozen(self) -> list[str]:
         """Names of the stored frozen tables, sorted."""

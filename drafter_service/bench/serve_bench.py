@@ -232,7 +232,7 @@ def _measure(svc: ServiceProcess, args: argparse.Namespace, held: list[Request],
     print(f"unary Draft round trip:       {_pct(unary)}")
     print(f"DraftStream round trip:       {_pct(streamed)}")
     echo_unary, echo_stream = _echo_floor(held[:20], args.budget)
-    print(f"  transport alone (a server that does no work), same client:")
+    print("  transport alone (a server that does no work), same client:")
     print(f"  unary:                      {_pct(echo_unary)}")
     print(f"  stream:                     {_pct(echo_stream)}")
 

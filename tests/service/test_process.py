@@ -10,7 +10,6 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
