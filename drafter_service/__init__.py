@@ -1,1 +1,1 @@
-"""drafter's service side: sessions, the drafting policy, benchmarks and (later) the gRPC server."""
+"""drafter's service side: sessions, the drafting policy, the gRPC server and its runtime, benchmarks, CLI."""
