@@ -142,18 +142,17 @@ class TokenStore:
             kind = kind or self.rebuild_due()
             if kind is None:
                 return None
-            tokens, start = self.ring.snapshot()
-            if kind == "main":
-                self._indexes = _Indexes(self._index(tokens, start) if tokens.size else None, None)
-            elif kind == "delta":
-                main = self._indexes.main
-                if main is None or main.end <= start:  # nothing of the main index is held any more
-                    self._indexes = _Indexes(self._index(tokens, start), None)
-                    return "main"
-                self._indexes = _Indexes(main, self._index(tokens[main.end - start:].copy(), main.end))
-            else:
+            if kind not in ("main", "delta"):
                 raise ValueError(f"unknown rebuild kind {kind!r}")
-            return kind
+            main = self._indexes.main
+            end = self.ring.end
+            if kind == "delta" and main is not None and main.end > self.ring.oldest:
+                # only what arrived after the main index is copied and indexed
+                self._indexes = _Indexes(main, self._index(self.ring.read(main.end, end), main.end))
+                return "delta"
+            tokens, start = self.ring.snapshot()  # also a "delta" when none of the main index is held
+            self._indexes = _Indexes(self._index(tokens, start) if tokens.size else None, None)
+            return "main"
 
     # -- reading ---------------------------------------------------------------------------------------
 
