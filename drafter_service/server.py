@@ -31,7 +31,7 @@ def create_server(config: ServiceConfig, address: str | None = None,
         service: the service to expose.
 
     Returns:
-        (server, bound port). The server's health service is reachable as ``server.health``.
+        (server, bound port).
     """
     service = service or DrafterService(config)
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
@@ -51,14 +51,6 @@ def create_server(config: ServiceConfig, address: str | None = None,
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    server.health = health_servicer  # type: ignore[attr-defined]
-    server.drafter_service = service  # type: ignore[attr-defined]
     logger.info("listening on port %d", port)
     return server, port
 
-
-def set_serving(server: grpc.Server, serving: bool) -> None:
-    """Report the server as SERVING or NOT_SERVING to health checks."""
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", SERVICE_NAME):
-        server.health.set(name, status)  # type: ignore[attr-defined]

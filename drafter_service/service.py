@@ -29,7 +29,6 @@ class DrafterService:
             self.namespaces[spec.name] = Namespace.create(spec.name, config.drafter, spec.vocab_size, store)
         self._session_ns: dict[str, Namespace] = {}
         self._lock = threading.Lock()
-        self.started_at = time.monotonic()
 
     # -- lifecycle ------------------------------------------------------------------------------------
 

@@ -45,7 +45,6 @@ class ServiceConfig:
 
     Attributes:
         address: gRPC listen address.
-        http_address: dashboard and /metrics address ("" disables them).
         data_dir: folder of the embedded Redis server's data (used when ``redis_url`` is empty).
         redis_url: an existing Redis to use instead of the embedded one.
         namespaces: declared namespaces; "default" is added with ``default_vocab_size`` when missing.
@@ -63,7 +62,6 @@ class ServiceConfig:
     """
 
     address: str = "127.0.0.1:50051"
-    http_address: str = "127.0.0.1:8050"
     data_dir: str = "./drafter-data"
     redis_url: str = ""
     namespaces: tuple[NamespaceSpec, ...] = ()
