@@ -14,7 +14,7 @@ import numpy as np
 from drafter_service.config import DrafterConfig
 from drafter_service.drafter import Drafter
 from drafter_service.errors import InvalidArgument, Unavailable
-from drafter_service.tree import DraftTree
+from drafter_service.tree import EMPTY_TREE, DraftTree
 from store.ngram_table import FrozenNGramTable
 
 if TYPE_CHECKING:
@@ -31,6 +31,9 @@ class DraftCounters:
     drafted_tokens: int = 0
     scored_steps: int = 0
     confirmed_tokens: int = 0
+    reused_steps: int = 0
+    reported_steps: int = 0
+    step_seconds_total: float = 0.0
     latencies_ns: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8192))
 
     def percentile_us(self, q: float) -> float:
@@ -114,13 +117,24 @@ class Namespace:
 
     # -- requests -------------------------------------------------------------------------------------
 
-    def draft(self, session_id: str, accepted: Sequence[int], max_nodes: int) -> tuple[DraftTree, int]:
-        """Extend the session with ``accepted``, then propose; returns the tree and the confirmed count."""
+    def draft(self, session_id: str, accepted: Sequence[int], max_nodes: int, report_only: bool = False,
+              step_seconds: float = 0.0) -> tuple[DraftTree, int]:
+        """Extend the session with ``accepted``, then propose; returns the tree and the confirmed count.
+
+        With ``report_only`` nothing is proposed (the engine drafts from an earlier tree) and the tree is empty.
+        """
         t0 = time.perf_counter_ns()
         d = self.drafter
         confirmed = d.extend(session_id, accepted) if len(accepted) else 0
-        tree = d.propose(session_id, max_nodes)
         c = self.counters
+        if step_seconds > 0:
+            c.reported_steps += 1
+            c.step_seconds_total += step_seconds
+        if report_only:
+            c.reused_steps += 1
+            c.confirmed_tokens += confirmed
+            return EMPTY_TREE, confirmed
+        tree = d.propose(session_id, max_nodes)
         c.latencies_ns.append(time.perf_counter_ns() - t0)
         c.drafts += 1
         c.drafted_tokens += len(tree)
@@ -180,7 +194,9 @@ class Namespace:
             "drafted_tokens": c.drafted_tokens, "confirmed_tokens": c.confirmed_tokens,
             "mean_accepted_length": (c.confirmed_tokens / c.scored_steps + 1.0) if c.scored_steps else 0.0,
             "draft_latency_p50_us": c.percentile_us(50), "draft_latency_p99_us": c.percentile_us(99),
-            "persistence_healthy": healthy,
+            "persistence_healthy": healthy, "reported_steps": c.reported_steps,
+            "mean_step_ms": 1e3 * c.step_seconds_total / c.reported_steps if c.reported_steps else 0.0,
+            "reused_steps": c.reused_steps,
         }
 
 

@@ -106,11 +106,14 @@ class DrafterService:
             self._session_ns[session_id] = ns
         return ns
 
-    def draft(self, session_id: str, accepted: Sequence[int], max_nodes: int = 0) -> tuple[DraftTree, int]:
-        """Correct the session with ``accepted`` and draft the next tree."""
+    def draft(self, session_id: str, accepted: Sequence[int], max_nodes: int = 0, report_only: bool = False,
+              step_seconds: float = 0.0) -> tuple[DraftTree, int]:
+        """Correct the session with ``accepted`` and draft the next tree (none when ``report_only``)."""
         self._check_tokens(accepted, "accepted")
         self._check_budget(max_nodes)
-        return self._of_session(session_id).draft(session_id, accepted, max_nodes)
+        if not 0.0 <= step_seconds <= 3600.0:  # also refuses NaN
+            raise InvalidArgument(f"step_seconds must be in [0, 3600], got {step_seconds}")
+        return self._of_session(session_id).draft(session_id, accepted, max_nodes, report_only, step_seconds)
 
     def end_session(self, session_id: str, accepted: Sequence[int]) -> int:
         """Store the request durably and close its session; returns the tokens stored."""

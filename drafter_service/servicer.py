@@ -34,14 +34,16 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return pb.StartSessionResponse(session_id=request.session_id, namespace=ns.name)
 
     def Draft(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftResponse:
-        tree, confirmed = self.service.draft(request.session_id, list(request.accepted), request.max_nodes)
+        tree, confirmed = self.service.draft(request.session_id, list(request.accepted), request.max_nodes,
+                                             request.report_only, request.step_seconds)
         return tree_message(tree, confirmed)
 
     def DraftStream(self, requests: Iterator[pb.DraftRequest], context: grpc.ServicerContext
                     ) -> Iterator[pb.DraftResponse]:
         draft = self.service.draft
         for request in requests:
-            tree, confirmed = draft(request.session_id, list(request.accepted), request.max_nodes)
+            tree, confirmed = draft(request.session_id, list(request.accepted), request.max_nodes,
+                                    request.report_only, request.step_seconds)
             yield tree_message(tree, confirmed)
 
     def EndSession(self, request: pb.EndSessionRequest, context: grpc.ServicerContext) -> pb.EndSessionResponse:

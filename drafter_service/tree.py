@@ -71,6 +71,13 @@ class DraftTree:
                     srcs.append(self.sources[i])
         return DraftTree(tuple(toks), tuple(parents), tuple(probs), float(sum(probs)), tuple(srcs))
 
+    def prefix(self, n: int) -> "DraftTree":
+        """The first ``n`` nodes: still a tree, since every parent comes before its children."""
+        if n >= len(self.token_ids):
+            return self
+        probs = self.probs[:n]
+        return DraftTree(self.token_ids[:n], self.parents[:n], probs, float(sum(probs)), self.sources[:n])
+
     def check_invariants(self, max_nodes: int | None = None, max_depth: int | None = None) -> None:
         """Raise AssertionError when the tree is malformed.
 

@@ -57,3 +57,11 @@ def test_chain_and_path():
     c.check_invariants()
     assert c.path(2) == [3, 4, 5]
     assert TREE.path(4) == [5, 6, 7]
+
+
+def test_prefix_keeps_the_first_nodes_as_a_tree():
+    p = TREE.prefix(4)  # 5, 8, 6 (under 5), 9 (under 8)
+    assert p.token_ids == (5, 8, 6, 9) and p.parents == (-1, -1, 0, 1)
+    assert p.score == pytest.approx(0.9 + 0.5 + 0.8 + 0.4)
+    p.check_invariants()
+    assert TREE.prefix(10) is TREE and len(TREE.prefix(0)) == 0

@@ -78,6 +78,24 @@ def test_draft_stream_answers_each_request_in_order(running):
     assert [r.confirmed for r in replies] == [0, 2, 1]  # the first draft was 4 5 6 7 8
 
 
+def test_report_only_records_tokens_and_step_times_without_drafting(running):
+    _, stub, _ = running
+    stub.Ingest(pb.IngestRequest(requests=[pb.Sequence(prompt=[1, 2, 3], output=[4, 5, 6, 7, 8])]))
+    stub.StartSession(pb.StartSessionRequest(session_id="s", prompt=[9, 2, 3]))
+    replies = list(stub.DraftStream(iter([
+        pb.DraftRequest(session_id="s"),
+        pb.DraftRequest(session_id="s", accepted=[4, 5], report_only=True, step_seconds=0.002),
+        pb.DraftRequest(session_id="s", accepted=[6], step_seconds=0.004)])))
+    assert len(replies[1].token_ids) == 0 and replies[1].confirmed == 2
+    assert replies[2].token_ids[0] == 7  # the reported tokens are part of the session
+    stats = stub.GetStats(pb.GetStatsRequest())
+    assert stats.reused_steps == 1 and stats.reported_steps == 2 and stats.drafts == 2
+    assert stats.mean_step_ms == pytest.approx(3.0, rel=1e-4)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Draft(pb.DraftRequest(session_id="s", accepted=[8], step_seconds=-1.0))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "step_seconds" in err.value.details()
+
+
 def store_state(stub, namespace=""):
     s = stub.GetStats(pb.GetStatsRequest(namespace=namespace))
     return s.stored_tokens, s.stored_requests, s.dynamic_leaders, s.active_sessions

@@ -42,14 +42,18 @@ class StartSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "accepted", "max_nodes")
+    __slots__ = ("session_id", "accepted", "max_nodes", "report_only", "step_seconds")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    REPORT_ONLY_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     accepted: _containers.RepeatedScalarFieldContainer[int]
     max_nodes: int
-    def __init__(self, session_id: _Optional[str] = ..., accepted: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+    report_only: bool
+    step_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., accepted: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., report_only: _Optional[bool] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("token_ids", "parents", "probs", "score", "sources", "confirmed")
@@ -114,7 +118,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("namespace", "vocab_size", "stored_tokens", "stored_requests", "indexed_tokens", "unindexed_tokens", "memory_bytes", "index_age_seconds", "dynamic_leaders", "frozen_tables", "active_sessions", "drafts", "drafted_tokens", "confirmed_tokens", "mean_accepted_length", "draft_latency_p50_us", "draft_latency_p99_us", "persistence_healthy")
+    __slots__ = ("namespace", "vocab_size", "stored_tokens", "stored_requests", "indexed_tokens", "unindexed_tokens", "memory_bytes", "index_age_seconds", "dynamic_leaders", "frozen_tables", "active_sessions", "drafts", "drafted_tokens", "confirmed_tokens", "mean_accepted_length", "draft_latency_p50_us", "draft_latency_p99_us", "persistence_healthy", "reported_steps", "mean_step_ms", "reused_steps")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +137,9 @@ class GetStatsResponse(_message.Message):
     DRAFT_LATENCY_P50_US_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LATENCY_P99_US_FIELD_NUMBER: _ClassVar[int]
     PERSISTENCE_HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_STEPS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     vocab_size: int
     stored_tokens: int
@@ -151,4 +158,7 @@ class GetStatsResponse(_message.Message):
     draft_latency_p50_us: float
     draft_latency_p99_us: float
     persistence_healthy: bool
-    def __init__(self, namespace: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stored_tokens: _Optional[int] = ..., stored_requests: _Optional[int] = ..., indexed_tokens: _Optional[int] = ..., unindexed_tokens: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., index_age_seconds: _Optional[float] = ..., dynamic_leaders: _Optional[int] = ..., frozen_tables: _Optional[_Iterable[str]] = ..., active_sessions: _Optional[int] = ..., drafts: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., confirmed_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., draft_latency_p50_us: _Optional[float] = ..., draft_latency_p99_us: _Optional[float] = ..., persistence_healthy: _Optional[bool] = ...) -> None: ...
+    reported_steps: int
+    mean_step_ms: float
+    reused_steps: int
+    def __init__(self, namespace: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stored_tokens: _Optional[int] = ..., stored_requests: _Optional[int] = ..., indexed_tokens: _Optional[int] = ..., unindexed_tokens: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., index_age_seconds: _Optional[float] = ..., dynamic_leaders: _Optional[int] = ..., frozen_tables: _Optional[_Iterable[str]] = ..., active_sessions: _Optional[int] = ..., drafts: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., confirmed_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., draft_latency_p50_us: _Optional[float] = ..., draft_latency_p99_us: _Optional[float] = ..., persistence_healthy: _Optional[bool] = ..., reported_steps: _Optional[int] = ..., mean_step_ms: _Optional[float] = ..., reused_steps: _Optional[int] = ...) -> None: ...
