@@ -1,1 +1,24 @@
-"""What an inference engine imports to use drafter."""
+"""What an inference engine imports to use drafter: the clients (sync and asyncio) and the DraftSource protocol.
+
+Importing this package imports neither torch nor gRPC; the clients load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from engine_client.draft_source import EMPTY_TREE, DraftSource, DraftTree, NoDrafts
+
+__all__ = ["DrafterClient", "AsyncDrafterClient", "ClientStats", "DrafterRequestError", "DrafterUnavailable",
+           "DraftSource", "NoDrafts", "DraftTree", "EMPTY_TREE"]
+
+_LAZY = {"DrafterClient": "engine_client.client", "AsyncDrafterClient": "engine_client.async_client",
+         "ClientStats": "engine_client.client_common", "DrafterRequestError": "engine_client.client_common",
+         "DrafterUnavailable": "engine_client.client_common"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine_client' has no attribute {name!r}")

@@ -1,0 +1,396 @@
+"""The synchronous drafter client: one DraftStream per client, draft reuse, and drafting that survives outages."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from time import perf_counter_ns
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import grpc
+
+from drafter_service.api.drafter.v1 import drafter_pb2 as pb
+from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
+from drafter_service.tree import DraftTree
+from engine_client.client_common import (CALLER_ERRORS, INGEST_BATCH, Backoff, ClientStats, DrafterRequestError,
+                                         DrafterUnavailable, IngestBuffer, ServiceDown, channel_options, rpc_code,
+                                         stats_dict, to_sequences)
+from engine_client.draft_reuse import Pending, SessionBook, SessionState, settle_all
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DrafterClient", "DrafterRequestError", "DrafterUnavailable", "ClientStats"]
+
+
+class _Stream:
+    """One DraftStream call: requests fed from a queue; answers read in order by whoever holds ``lock``.
+
+    Answers to requests posted earlier (reports not waited for) are matched on the way. The client's watchdog
+    cancels the call when a read outlives the deadline; whatever the stream still owed is then settled as failed.
+    """
+
+    def __init__(self, stub: pb_grpc.DrafterStub, book: SessionBook) -> None:
+        self._book = book
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._inflight: deque[Pending] = deque()
+        self.lock = threading.Lock()
+        self.closed = False
+        self.reading_since = 0.0  # time.monotonic() when the read in progress began (0: none)
+        self._expired = False
+        self._call = stub.DraftStream(self._requests())
+
+    def _requests(self) -> Iterator[pb.DraftRequest]:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            yield item
+
+    def post(self, request: pb.DraftRequest, entry: Pending) -> bool:
+        """Send a request (hold ``lock``); False when the stream is already broken (nothing was sent)."""
+        if self.closed:
+            return False
+        entry.waiter = self
+        self._inflight.append(entry)
+        self._queue.put(request)
+        return True
+
+    def settle(self, entry: Pending) -> None:
+        """Read answers (hold ``lock``) until ``entry`` is answered or the stream breaks."""
+        self.reading_since = time.monotonic()
+        try:
+            while not entry.done and not self.closed:
+                try:
+                    resp = next(self._call)
+                except StopIteration:
+                    self._break("UNAVAILABLE", "the service closed the draft stream")
+                    return
+                except grpc.RpcError as exc:
+                    code, details = rpc_code(exc)
+                    if self._expired:
+                        code, details = "DEADLINE_EXCEEDED", "no answer within the deadline"
+                    self._break(code, details)
+                    return
+                if not self._inflight:
+                    self._break("INTERNAL", "an answer with no request")
+                    return
+                self._book.answered(self._inflight.popleft(), resp)
+        finally:
+            self.reading_since = 0.0
+
+    def _break(self, code: str, details: str) -> None:
+        self.closed = True
+        rest = list(self._inflight)
+        self._inflight.clear()
+        self._queue.put(None)
+        self._call.cancel()
+        settle_all(self._book, rest, code, details)
+
+    def expire(self, since: float) -> None:
+        """Cancel the read that began at ``since`` and outlived the deadline (the watchdog's call, no ``lock``)."""
+        if self.reading_since == since:
+            self._expired = True
+            self._call.cancel()
+
+    def close(self) -> None:
+        """End the call; what it still owed is settled as failed."""
+        with self.lock:
+            if not self.closed:
+                self._break("CANCELLED", "client closed")
+
+
+class DrafterClient:
+    """A DraftSource backed by a drafter service; never lets the service's trouble stop the engine.
+
+    Draft calls go over one bidirectional ``DraftStream``; answers come back in request order, so sessions of
+    several engine threads share it. With ``reuse`` the client asks for ``max_nodes * reuse_factor`` nodes, gives
+    the engine the first ``max_nodes`` and keeps the rest: when the next ``accepted`` tokens are a path of that
+    tree, the next draft is the subtree below it, served locally, and the service is only told the tokens
+    (``report_only``, not waited for).
+
+    Errors: the caller's mistakes (token ids outside the vocabulary, bad budgets, unknown sessions or namespace;
+    INVALID_ARGUMENT from the service) raise ``DrafterRequestError`` from ``start``, ``draft``, ``end``, ``ingest``.
+    Availability trouble (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, a broken stream) never raises: ``draft``
+    returns EMPTY_TREE, ``start`` still returns a session id, and the client retries with exponential backoff
+    (no call waits while backing off). Sessions the service lost are reopened with every token known so far;
+    one whose remote copy is out of step (an answer lost) is reopened as ``<id>~N``, the old copy abandoned.
+    Requests ended while the service is away are buffered (``max_buffered``, oldest dropped with a warning) and
+    sent by ``Ingest`` once it is back; so is one whose EndSession answer was lost (stored at least once).
+
+    Args:
+        address: host:port of the service.
+        namespace: token space of the engine's tokenizer ("" = default).
+        timeout: deadline in seconds of one draft (its stream answer).
+        max_nodes: default tree size the engine verifies.
+        reuse: draft deeper trees and serve subtrees locally.
+        reuse_factor: how many times ``max_nodes`` to ask for (capped by the service's limit).
+        min_reuse_nodes: smallest subtree served locally instead of asking the service (0: the step's
+            ``max_nodes``, so reuse never gives the engine a smaller tree than a round trip would).
+        connect_timeout: how long the constructor waits for the service (0: do not wait).
+        call_timeout: deadline of StartSession, EndSession, Ingest and GetStats.
+        initial_backoff, max_backoff: first and longest wait between attempts while the service is away.
+        max_buffered: completed requests kept while the service is away.
+        service_max_nodes: the service's ``max_nodes_limit`` (learnt from its refusals when lower).
+    """
+
+    def __init__(self, address: str, namespace: str = "", timeout: float = 0.5, max_nodes: int = 32,
+                 reuse: bool = True, reuse_factor: int = 4, min_reuse_nodes: int = 0, connect_timeout: float = 1.0,
+                 call_timeout: float = 5.0, initial_backoff: float = 0.1, max_backoff: float = 5.0,
+                 max_buffered: int = 1000, service_max_nodes: int = 1024) -> None:
+        if timeout <= 0 or call_timeout <= 0:
+            raise ValueError(f"timeouts must be positive, got {timeout} and {call_timeout}")
+        self.address, self.namespace, self.timeout, self.call_timeout = address, namespace, timeout, call_timeout
+        self._book = SessionBook(max_nodes, reuse, reuse_factor, min_reuse_nodes, service_max_nodes)
+        self._buffer = IngestBuffer(self._book.stats, max_buffered)
+        self._backoff = Backoff(address, initial_backoff, max_backoff)
+        self._channel = grpc.insecure_channel(address, options=channel_options(max_backoff))
+        self._stub = pb_grpc.DrafterStub(self._channel)
+        self._stream: _Stream | None = None
+        self._stream_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="drafter-deadline", daemon=True)
+        self._watchdog.start()
+        if connect_timeout > 0:
+            ready = grpc.channel_ready_future(self._channel)
+            try:
+                ready.result(timeout=connect_timeout)
+                self._learn_vocab()
+            except grpc.FutureTimeoutError:
+                ready.cancel()
+                self._backoff.failure(f"not reachable within {connect_timeout} s")
+            except ServiceDown:
+                pass
+            except DrafterRequestError:
+                self.close()
+                raise
+
+    def _unary(self, method: Callable[..., Any], request: Any) -> Any:
+        """Call a unary method; raises ServiceDown (backoff counted) or returns (reply, code name, details)."""
+        try:
+            reply = method(request, timeout=self.call_timeout)
+        except grpc.RpcError as exc:
+            code, details = rpc_code(exc)
+            if code in CALLER_ERRORS or code in ("NOT_FOUND", "ALREADY_EXISTS"):
+                return None, code, details
+            self._backoff.failure(f"{code}: {details}")
+            raise ServiceDown from None
+        self._backoff.success()
+        return reply, "OK", ""
+
+    def _learn_vocab(self) -> None:
+        if self._book.vocab_size is None:
+            reply, code, details = self._unary(self._stub.GetStats, pb.GetStatsRequest(namespace=self.namespace))
+            if reply is None:
+                raise DrafterRequestError(f"namespace {self.namespace!r}: {details}", code)
+            self._book.vocab_size = reply.vocab_size
+
+    def _get_stream(self) -> _Stream:
+        with self._stream_lock:
+            if self._stream is None or self._stream.closed:
+                self._stream = _Stream(self._stub, self._book)
+            return self._stream
+
+    def _watch(self) -> None:
+        """Cancel the stream when a read outlives ``timeout`` (reads themselves cannot time out)."""
+        poll = min(0.01, self.timeout / 4)
+        while not self._closing.wait(poll):
+            stream = self._stream
+            since = stream.reading_since if stream is not None else 0.0
+            if since and time.monotonic() - since > self.timeout:
+                stream.expire(since)
+
+    def _open_remote(self, state: SessionState) -> None:
+        """(Re)open the service's copy of a session with every token known so far."""
+        for _ in range(3):
+            req, n, reopened = self._book.start_request(state, self.namespace)
+            reply, code, details = self._unary(self._stub.StartSession, req)
+            if reply is not None:
+                self._book.opened(state, n, reopened)
+                self._learn_vocab()
+                return
+            if code != "ALREADY_EXISTS":
+                raise DrafterRequestError(f"StartSession refused: {details}", code)
+            self._book.bump(state)
+        raise ServiceDown
+
+    def _send(self, seqs: list[pb.Sequence], strict: bool) -> list[pb.Sequence]:
+        """Ingest ``seqs`` in batches while the service is there; returns those left when it went away.
+
+        Refused batches raise DrafterRequestError when ``strict``; otherwise they are dropped with a warning.
+        """
+        while seqs and self._backoff.ready():
+            batch, seqs = seqs[:INGEST_BATCH], seqs[INGEST_BATCH:]
+            req = pb.IngestRequest(namespace=self.namespace, requests=batch)
+            try:
+                reply, code, details = self._unary(self._stub.Ingest, req)
+            except ServiceDown:
+                return batch + seqs
+            if reply is None and strict:
+                raise DrafterRequestError(f"Ingest refused: {details}", code)
+            if not strict:
+                self._buffer.sent(batch, reply is not None, details)
+        return seqs
+
+    def _flush(self) -> None:
+        """Send requests buffered while the service was away."""
+        if len(self._buffer) and self._backoff.ready():
+            self._buffer.add(self._send(self._buffer.take(len(self._buffer)), False), front=True)
+
+    def start(self, prompt: Sequence[int], max_nodes: int = 0) -> str:
+        """Open a session for a request; returns its id even when the service is away (opened there later).
+
+        Args:
+            prompt: the request's prompt tokens.
+            max_nodes: nodes the engine verifies per step for this session (0: the client's ``max_nodes``).
+
+        Raises:
+            DrafterRequestError: bad token ids or budget, or an unknown namespace.
+        """
+        state = self._book.open(prompt, max_nodes)
+        if self._backoff.ready():
+            try:
+                self._open_remote(state)
+                self._flush()
+            except ServiceDown:
+                pass
+            except DrafterRequestError:
+                self._book.close(state)
+                raise
+        return state.local_id
+
+    def draft(self, session: str, accepted: Sequence[int], max_nodes: int = 0,
+              step_seconds: float = 0.0) -> DraftTree:
+        """The next draft tree of a session: a reused subtree, a fresh one, or EMPTY_TREE when the service is away.
+
+        Args:
+            session: the id ``start`` returned.
+            accepted: tokens appended since the previous call (accepted draft tokens plus the target's own).
+            max_nodes: most nodes the engine verifies (0: the session's default).
+            step_seconds: time of the verification step that produced ``accepted`` (passed to the service).
+
+        Raises:
+            DrafterRequestError: unknown session, bad token ids, budget or step time (nothing is recorded).
+        """
+        t0 = perf_counter_ns()
+        book = self._book
+        state = book.get(session)
+        toks = book.record(state, accepted, step_seconds, max_nodes)
+        tree = book.try_reuse(state, toks, max_nodes)
+        if tree is not None:
+            if self._backoff.ready() and book.can_report(state):  # tell the service, do not wait for its answer
+                req, entry = book.draft_request(state, max_nodes, True, step_seconds)
+                stream = self._get_stream()
+                with stream.lock:
+                    if not stream.post(req, entry):
+                        book.failed(entry, "UNAVAILABLE", "stream closed", definite=True)
+            book.reused(t0)
+            return tree
+        if not self._backoff.ready():
+            return book.empty(state)
+        try:
+            for _ in range(4):
+                if book.needs_open(state):
+                    self._open_remote(state)
+                req, entry = book.draft_request(state, max_nodes, False, step_seconds)
+                stream = self._get_stream()
+                with stream.lock:
+                    if stream.post(req, entry):
+                        stream.settle(entry)
+                    else:
+                        book.failed(entry, "UNAVAILABLE", "stream closed", definite=True)
+                action = book.action(entry, len(toks))
+                if action == "done":
+                    self._backoff.success()
+                    return book.fetched(state, entry, max_nodes, t0)
+                if action == "down":
+                    self._backoff.failure(f"{entry.code}: {entry.details}")
+                    break
+        except ServiceDown:
+            pass
+        return book.empty(state)
+
+    def end(self, session: str, accepted: Sequence[int]) -> None:
+        """Close a session with its last tokens; the whole request is stored now, or buffered until it can be.
+
+        A session the service has in step gets EndSession; otherwise (never opened there, lost in a restart,
+        out of step) the request goes by Ingest. While the service is away it waits in a bounded buffer.
+
+        Raises:
+            DrafterRequestError: unknown session or bad token ids (the session then stays open).
+        """
+        book = self._book
+        state = book.get(session)
+        toks = book.record(state, accepted)
+        for entry in list(state.pending):  # reports must land before EndSession, which takes another path
+            with entry.waiter.lock:
+                entry.waiter.settle(entry)
+        if self._backoff.ready() and book.can_report(state):
+            try:
+                reply, code, details = self._unary(self._stub.EndSession, book.end_request(state))
+            except ServiceDown:
+                reply, code, details = None, "UNAVAILABLE", ""
+            if reply is not None:
+                book.close(state)
+                self._flush()
+                return
+            book.refused_end(state, len(toks), code, details)
+        book.close(state)
+        self._buffer.add([book.sequence(state)])
+        self._flush()
+
+    def ingest(self, requests: Iterable[Sequence[Any]]) -> int:
+        """Store completed requests given as (prompt, output[, request_id]); buffered while the service is away.
+
+        Returns:
+            How many of ``requests`` the service stored now (the rest wait in the buffer).
+
+        Raises:
+            DrafterRequestError: bad token ids, or requests the service refuses (over its limits).
+        """
+        seqs = to_sequences(requests, self._book.vocab_size)
+        rest = self._send(seqs, True)
+        self._buffer.add(rest)
+        self._flush()
+        return len(seqs) - len(rest)
+
+    def stats(self) -> dict[str, Any]:
+        """GetStats of the client's namespace as a dictionary; DrafterUnavailable when it cannot be reached."""
+        try:
+            reply = self._stub.GetStats(pb.GetStatsRequest(namespace=self.namespace), timeout=self.call_timeout)
+        except grpc.RpcError as exc:
+            raise DrafterUnavailable(f"GetStats failed: {rpc_code(exc)}") from None
+        return stats_dict(reply)
+
+    def stats_local(self) -> ClientStats:
+        """What this client did: steps, reused steps, latencies, outages, buffered requests."""
+        return self._book.snapshot(self._backoff.outages)
+
+    def reset_stats_local(self) -> None:
+        """Zero the client's statistics (outages are counted on)."""
+        self._book.reset_stats()
+
+    @property
+    def buffered(self) -> int:
+        """Completed requests waiting for the service."""
+        return len(self._buffer)
+
+    def close(self) -> None:
+        """Send what is buffered (when the service is there), then close the stream and the channel."""
+        self._flush()
+        if len(self._buffer):
+            logger.warning("drafter client closed with %d completed requests unsent", len(self._buffer))
+        self._closing.set()
+        with self._stream_lock:
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+        self._channel.close()
+
+    def __enter__(self) -> "DrafterClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
