@@ -16,6 +16,7 @@ from drafter_service.bench.datasets import DATASET_NAMES, Request, load_dataset,
 from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
 from drafter_service.bench.protocol import ReplayDrafter
 from drafter_service.bench.replay import CoreDrafter, ReplayResult, replay
+from drafter_service.bench.e2e import add_e2e_bench
 from drafter_service.bench.serve_bench import add_serve_bench
 from drafter_service.config import DrafterConfig
 from store.ngram_table import FrozenNGramTable
@@ -26,7 +27,7 @@ PEERS = ("prompt-lookup", "arctic", "arctic-f4")
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    """Register ``bench replay`` and ``bench store`` under the ``bench`` command."""
+    """Register ``bench replay``, ``store``, ``serve`` and ``e2e`` under the ``bench`` command."""
     bench = sub.add_parser("bench", help="measure acceptance and cost").add_subparsers(dest="bench", required=True)
     rp = bench.add_parser("replay", help="replay completed requests through drafter and peers")
     rp.add_argument("files", nargs="*", help="request JSONL files (request_id, prompt, output token ids)")
@@ -47,6 +48,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--budget", type=int, default=32)
     st.set_defaults(func=run_store)
     add_serve_bench(bench)
+    add_e2e_bench(bench)
 
 
 def _make_peer(name: str) -> ReplayDrafter | None:
