@@ -1,11 +1,12 @@
 # make run: install into .venv and start the service (embedded Redis, data in ./drafter-data).
 # make test: install everything into .venv and run the test suite.
+# make demo: the reference engine on a few prompts, with and without drafter.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench-peers bench clean
+.PHONY: run test demo bench-peers bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -23,6 +24,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Start a service, generate answers to a few GSM8K questions with SmolLM2-135M, plain and with drafts; print the speedup.
+demo: $(STAMP)
+	$(VENV)/bin/drafter bench e2e --dataset gsm8k --warm 12 --requests 3 --methods greedy,drafter \
+		--max-new-tokens 160 --show
 
 # Optional peer for the replay benchmark: ArcticInference suffix decoding (built from source, needs torch).
 bench-peers: $(STAMP)
