@@ -13,9 +13,9 @@ import grpc
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from drafter_service.tree import DraftTree
-from engine_client.client_common import (CALLER_ERRORS, INGEST_BATCH, Backoff, ClientStats, DrafterRequestError,
-                                         DrafterUnavailable, IngestBuffer, ServiceDown, channel_options, rpc_code,
-                                         stats_dict, to_sequences)
+from engine_client.client_common import (CALLER_ERRORS, INGEST_BATCH, Backoff, DrafterRequestError,
+                                         DrafterUnavailable, IngestBuffer, LocalFigures, ServiceDown, channel_options,
+                                         rpc_code, stats_dict, to_sequences)
 from engine_client.draft_reuse import Pending, SessionBook, SessionState, settle_all
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class _AsyncStream:
         self._break("CANCELLED", "client closed")
 
 
-class AsyncDrafterClient:
+class AsyncDrafterClient(LocalFigures):
     """``DrafterClient`` for asyncio engines: every method is a coroutine; same arguments, reuse and errors.
 
     Use ``async with AsyncDrafterClient(address) as client:`` or call ``await client.close()``. The channel is
@@ -279,19 +279,6 @@ class AsyncDrafterClient:
         except grpc.RpcError as exc:
             raise DrafterUnavailable(f"GetStats failed: {rpc_code(exc)}") from None
         return stats_dict(reply)
-
-    def stats_local(self) -> ClientStats:
-        """What this client did: steps, reused steps, latencies, outages, buffered requests."""
-        return self._book.snapshot(self._backoff.outages)
-
-    def reset_stats_local(self) -> None:
-        """Zero the client's statistics (outages are counted on)."""
-        self._book.reset_stats()
-
-    @property
-    def buffered(self) -> int:
-        """Completed requests waiting for the service."""
-        return len(self._buffer)
 
     async def close(self) -> None:
         """Send what is buffered (when the service is there), close the stream and the channel."""

@@ -106,6 +106,23 @@ class ClientStats:
         return out
 
 
+class LocalFigures:
+    """What a client counted itself, shared by the sync and asyncio clients (``_book``, ``_backoff``, ``_buffer``)."""
+
+    def stats_local(self) -> ClientStats:
+        """What this client did: steps, reused steps, latencies, outages, buffered requests."""
+        return self._book.snapshot(self._backoff.outages)
+
+    def reset_stats_local(self) -> None:
+        """Zero the client's statistics (outages are counted on)."""
+        self._book.reset_stats()
+
+    @property
+    def buffered(self) -> int:
+        """Completed requests waiting for the service."""
+        return len(self._buffer)
+
+
 class Backoff:
     """Exponential backoff between attempts to reach the service; one warning when an outage starts and ends."""
 

@@ -21,12 +21,7 @@ MAX_NEW = 24
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine_client/conftest.py
 
 
 def tiny_llama(attn: str = "sdpa") -> LlamaForCausalLM:

@@ -25,12 +25,7 @@ PASS_P = 1e-3  # a correct rule must not be rejected at this level (seeds are fi
 FAIL_P = 1e-6  # a broken rule must be rejected at this level
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine_client/conftest.py
 
 
 # --- the statistic ------------------------------------------------------------------------------------------------

@@ -18,13 +18,7 @@ VOCAB = 100
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest (and steadiest on a shared 2-core box) on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine_client/conftest.py
 
 
 def tiny_llama(attn: str) -> LlamaForCausalLM:
