@@ -8,6 +8,7 @@ import sys
 
 from drafter_service.bench.commands import add_bench_commands
 from drafter_service.cli_serve import add_serve_commands
+from drafter_service.distill import add_distill_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_commands(sub)
     add_bench_commands(sub)
+    add_distill_command(sub)
     return parser
 
 
