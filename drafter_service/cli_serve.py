@@ -12,13 +12,15 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
-from drafter_service.config import DrafterConfig
-from drafter_service.service_config import NamespaceSpec, ServiceConfig
+from drafter_service.config import CardSettings, DrafterConfig
+from drafter_service.service_config import DraftModelSpec, NamespaceSpec, ServiceConfig
 
 logger = logging.getLogger(__name__)
 
 _DEFAULTS = ServiceConfig()
 _CORE = DrafterConfig()
+_CARD = CardSettings()
+_SOURCES = {"session", "store", "dynamic", "frozen"}
 
 
 def _env(flag: str) -> str:
@@ -53,6 +55,23 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
     _flag(sp, "--max-message-bytes", int, _DEFAULTS.max_message_bytes, "gRPC message size limit")
     _flag(sp, "--max-sessions", int, _DEFAULTS.max_sessions, "most live sessions")
     _flag(sp, "--workers", int, _DEFAULTS.workers, "gRPC worker threads")
+    _flag(sp, "--sources", str, "session,store,dynamic,frozen", "model-free sources to draft from (comma-separated; "
+          "'none' for the draft model alone)")
+    _flag(sp, "--draft-model", str, "", "optional draft model(s) as [NAMESPACE=]PATH[,...] (CARD query-and-correct)")
+    _flag(sp, "--draft-device", str, "cpu", "device of the draft model: cpu, cuda or cuda:N")
+    _flag(sp, "--draft-dtype", str, "float32", "draft model dtype: float32, bfloat16 or float16")
+    _flag(sp, "--draft-threads", int, 0, "torch CPU threads for the draft model (0: torch's default)")
+    _flag(sp, "--card-width", int, _CARD.width, "K: sequences kept per draft-model cache layer")
+    _flag(sp, "--card-top-k", int, _CARD.top_k, "k: candidates taken from each sequence's distribution")
+    _flag(sp, "--card-layers", int, _CARD.layers_ahead, "layers the draft model grows ahead of the verified prefix")
+    _flag(sp, "--card-vocab", int, _CARD.vocab, "draft over this many of the most frequent tokens (0: all); the "
+          "output head is most of a small draft model's cost")
+    _flag(sp, "--card-nice", int, _CARD.nice, "CPU niceness of the draft model's threads (0-19; Linux)")
+    _flag(sp, "--card-idle", int, int(_CARD.idle_priority), "1: run the draft model under SCHED_IDLE (only cycles "
+          "nothing else wants)")
+    _flag(sp, "--card-max-sessions", int, _CARD.max_sessions, "most sessions with a draft-model cache at once")
+    _flag(sp, "--card-correction", int, int(_CARD.correction), "1: prune the cache to the verified prefix "
+          "(CARD's correction); 0: ablation without it")
     sp.set_defaults(func=run_serve)
 
     ip = sub.add_parser("ingest", help="send completed requests from a JSONL file to a running service")
@@ -71,12 +90,22 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     """The ServiceConfig described by ``serve``'s flags."""
     specs = tuple(NamespaceSpec.parse(part) for part in args.namespaces.split(",") if part.strip())
+    sources = {part.strip() for part in args.sources.split(",") if part.strip() and part.strip() != "none"}
+    unknown = sources - _SOURCES
+    if unknown:
+        raise ValueError(f"unknown sources {sorted(unknown)}; choose among {sorted(_SOURCES)} or 'none'")
     core = replace(_CORE, capacity=args.capacity, max_nodes=args.max_nodes, leader_capacity=args.leader_capacity,
-                   follower_capacity=args.follower_capacity)
+                   follower_capacity=args.follower_capacity,
+                   **{f"use_{name}": name in sources for name in _SOURCES})
+    card = CardSettings(width=args.card_width, top_k=args.card_top_k, layers_ahead=args.card_layers,
+                        max_sessions=args.card_max_sessions, correction=bool(args.card_correction),
+                        vocab=args.card_vocab, nice=args.card_nice, idle_priority=bool(args.card_idle))
+    drafts = DraftModelSpec.parse_list(args.draft_model, device=args.draft_device, dtype=args.draft_dtype,
+                                       threads=args.draft_threads, card=card)
     return ServiceConfig(address=args.address, data_dir=args.data_dir, redis_url=args.redis_url, namespaces=specs,
                          default_vocab_size=args.vocab_size, drafter=core, rebuild_interval_s=args.rebuild_interval,
                          snapshot_interval_s=args.snapshot_interval, max_message_bytes=args.max_message_bytes,
-                         max_sessions=args.max_sessions, workers=args.workers)
+                         max_sessions=args.max_sessions, workers=args.workers, draft_models=drafts)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -91,8 +120,12 @@ def run_serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         runtime.start()
-    except Exception:
+    except Exception as exc:
         runtime.stop(grace=0)
+        from drafter_service.draft_model import DraftModelError
+
+        if isinstance(exc, DraftModelError):
+            raise SystemExit(f"bad draft model: {exc}") from None
         raise
     print(f"drafter serving on port {runtime.port} ({', '.join(ns.name for ns in config.namespaces)}); "
           f"ready in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -61,3 +61,43 @@ class DrafterConfig:
             raise ValueError(f"capacity must be at least 2, got {self.capacity}")
         if self.min_nodes > self.max_nodes:
             raise ValueError(f"min_nodes ({self.min_nodes}) exceeds max_nodes ({self.max_nodes})")
+
+
+@dataclass(frozen=True)
+class CardSettings:
+    """How a namespace drafts with its optional draft model (CARD's candidate cache).
+
+    Attributes:
+        width: K, sequences kept per cache layer.
+        top_k: k, candidates taken from each sequence's distribution.
+        layers_ahead: most layers grown below the verified prefix before waiting for the next correction (the
+            paper's communication ratio).
+        max_nodes: most live nodes in one session's cache.
+        correction: prune the cache to the verified prefix after every step (False only for ablations).
+        max_sessions: most sessions with a cache at once; later sessions draft without the model.
+        vocab: draft over the ``vocab`` most frequent tokens only (counted over the namespace's store and the
+            model's ``token_counts.npy`` when it has one); 0 for the full vocabulary.
+        nice: CPU niceness of each worker thread (Linux, 0-19): on a CPU shared with the target, a higher value
+            leaves the target more of it and the draft model less.
+        idle_priority: run each worker thread under SCHED_IDLE instead: the draft model only takes cycles the
+            target leaves.
+    """
+
+    width: int = 16
+    top_k: int = 4
+    layers_ahead: int = 6
+    max_nodes: int = 1024
+    correction: bool = True
+    max_sessions: int = 8
+    vocab: int = 0
+    nice: int = 0
+    idle_priority: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"draft model nice must be in [0, 19], got {self.nice}")
+        if self.vocab < 0:
+            raise ValueError(f"draft model vocab must be >= 0, got {self.vocab}")
+        for name in ("width", "top_k", "layers_ahead", "max_nodes", "max_sessions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"draft model {name} must be at least 1, got {getattr(self, name)}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -12,10 +12,13 @@ from drafter_service.acceptance import AcceptanceModel
 from drafter_service.config import DrafterConfig
 from drafter_service.errors import AlreadyExists, InvalidArgument, NotFound
 from drafter_service.session import DraftSession
-from drafter_service.tree import EMPTY_TREE, DraftTree
+from drafter_service.tree import EMPTY_TREE, DraftTree, merge_trees
 from drafter_service.tree_builder import BuildLimits, RowsSource, TableSource, build_tree
 from store.ngram_table import FrozenNGramTable, LRUNGramTable, NativeLRUTable
 from store.token_store import TokenStore
+
+if TYPE_CHECKING:
+    from drafter_service.card import DraftModelDrafts
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +42,15 @@ class Drafter:
     Lifecycle of a request: ``start`` (prompt) -> (``propose`` -> ``extend``)* -> ``end``. ``ingest``
     adds a completed request without a session. ``rebuild`` refreshes the suffix index and is meant to
     run off the request path.
+
+    With a ``draft_model``, each session also gets a CARD candidate cache grown by the model on its own thread;
+    its best paths are merged into every draft.
     """
 
-    def __init__(self, config: DrafterConfig | None = None) -> None:
+    def __init__(self, config: DrafterConfig | None = None, draft_model: "DraftModelDrafts | None" = None) -> None:
         self.config = config or DrafterConfig()
+        self.draft_model = draft_model
+        self._vocab_end = 0  # store end when the draft model's vocabulary was last chosen
         cfg = self.config
         self.store = TokenStore(cfg.capacity, tail_tokens=cfg.tail_tokens)
         self.dynamic = LRUNGramTable(cfg.leader_len, cfg.follower_len, cfg.leader_capacity, cfg.follower_capacity)
@@ -107,6 +115,11 @@ class Drafter:
                 raise AlreadyExists(f"session {session_id!r} already exists")
             sess = DraftSession(self, session_id, ids, max_nodes or self.config.max_nodes)
             self.sessions[session_id] = sess
+        if self.draft_model is not None and ids.size:
+            try:
+                sess.card = self.draft_model.open(ids, name=f"card-{session_id}")
+            except Exception:
+                logger.exception("session %s: the draft model could not start; drafting without it", session_id)
         if self.config.use_dynamic:
             with self._table_lock:
                 self.dynamic.update(ids.tolist())
@@ -118,6 +131,10 @@ class Drafter:
         ids = self.tokens(accepted, "accepted")
         before = len(sess)
         hit = sess.extend(ids)
+        if sess.card is not None and ids.size:
+            model_hit = sess.card.correct(ids)
+            if model_hit is not None:
+                self.draft_model.record_step(model_hit)
         if self.config.use_dynamic and ids.size:
             with self._table_lock:
                 self.dynamic.update(sess.tokens[max(0, before - 8):].tolist(), new_from=min(before, 8))
@@ -133,6 +150,7 @@ class Drafter:
         tokens = sess.tokens
         if budget == 0 or tokens.size == 0:
             return EMPTY_TREE
+        model_tree = sess.card.query(budget) if sess.card is not None else EMPTY_TREE
         rows: list[RowsSource] = []
         if cfg.use_session:
             found = sess.lookup(cfg.max_match, cfg.max_occurrences, cfg.max_depth)
@@ -152,8 +170,9 @@ class Drafter:
             tables.extend(TableSource(3, t, cfg.table_branch) for t in self.frozen.values())
         limits = BuildLimits(budget, cfg.max_depth, cfg.min_prob, cfg.branch)
         tree, evidence = build_tree(tokens[-cfg.leader_len:].tolist(), rows, tables, self.model, limits)
-        sess.remember(tree, evidence)
-        return tree
+        served = merge_trees(tree, model_tree, budget) if len(model_tree) else tree
+        sess.remember(tree, evidence, served)
+        return served
 
     def closing_document(self, session_id: str, accepted: Sequence[int] | np.ndarray = ()) -> np.ndarray:
         """The request ``end`` would store (prompt + output + ``accepted``), without changing anything.
@@ -171,8 +190,21 @@ class Drafter:
             self.extend(session_id, accepted)
         with self._sessions_lock:
             self.sessions.pop(session_id, None)
+        self._close_card(sess)
         self.store.append(sess.tokens)
         return sess
+
+    def _close_card(self, sess: DraftSession) -> None:
+        if sess.card is not None and self.draft_model is not None:
+            self.draft_model.close(sess.card)
+            sess.card = None
+
+    def close(self) -> None:
+        """Stop every session's draft model worker (the sessions stay open without it)."""
+        with self._sessions_lock:
+            live = list(self.sessions.values())
+        for sess in live:
+            self._close_card(sess)
 
     def document(self, prompt: Sequence[int] | np.ndarray, output: Sequence[int] | np.ndarray) -> np.ndarray:
         """Validate a completed request and return it as one int32 document (prompt + output).
@@ -205,7 +237,18 @@ class Drafter:
 
     def rebuild(self) -> str | None:
         """Rebuild whichever suffix index is due (see ``TokenStore.rebuild``)."""
-        return self.store.rebuild()
+        done = self.store.rebuild()
+        if done:
+            self.refresh_draft_vocabulary()
+        return done
+
+    def refresh_draft_vocabulary(self, recent: int = 1 << 22) -> None:
+        """Let the draft model's vocabulary follow the store's most frequent tokens (after it grew by a quarter)."""
+        ring = self.store.ring
+        if self.draft_model is None or not self.draft_model.settings.vocab or ring.end < 1.25 * self._vocab_end:
+            return
+        self._vocab_end = max(ring.end, 1)
+        self.draft_model.set_frequencies(ring.read(max(ring.oldest, ring.end - recent), ring.end))
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the store or the tables are inconsistent."""

@@ -18,6 +18,7 @@ from drafter_service.tree import EMPTY_TREE, DraftTree
 from store.ngram_table import FrozenNGramTable
 
 if TYPE_CHECKING:
+    from drafter_service.card import DraftModelDrafts
     from store.persistence import RedisPersistence
 
 logger = logging.getLogger(__name__)
@@ -49,19 +50,20 @@ class Namespace:
     enters the in-memory store, so a failed write changes nothing.
     """
 
-    def __init__(self, name: str, config: DrafterConfig, persistence: "RedisPersistence | None") -> None:
+    def __init__(self, name: str, config: DrafterConfig, persistence: "RedisPersistence | None",
+                 draft_model: "DraftModelDrafts | None" = None) -> None:
         self.name = name
-        self.drafter = Drafter(config)
+        self.drafter = Drafter(config, draft_model)
         self.persistence = persistence
         self.counters = DraftCounters()
         self.built_at = time.monotonic()
         self._write_lock = threading.Lock()  # keeps the durable log and the ring buffer in the same order
 
     @classmethod
-    def create(cls, name: str, base: DrafterConfig, vocab_size: int,
-               persistence: "RedisPersistence | None") -> "Namespace":
+    def create(cls, name: str, base: DrafterConfig, vocab_size: int, persistence: "RedisPersistence | None",
+               draft_model: "DraftModelDrafts | None" = None) -> "Namespace":
         """A namespace whose core uses ``base`` with this namespace's vocabulary size."""
-        return cls(name, replace(base, vocab_size=vocab_size), persistence)
+        return cls(name, replace(base, vocab_size=vocab_size), persistence, draft_model)
 
     # -- restore and save -----------------------------------------------------------------------------
 
@@ -113,6 +115,7 @@ class Namespace:
         done = self.drafter.store.rebuild(kind)
         if done:
             self.built_at = time.monotonic()
+            self.drafter.refresh_draft_vocabulary()
         return done
 
     # -- requests -------------------------------------------------------------------------------------
@@ -196,8 +199,14 @@ class Namespace:
             "draft_latency_p50_us": c.percentile_us(50), "draft_latency_p99_us": c.percentile_us(99),
             "persistence_healthy": healthy, "reported_steps": c.reported_steps,
             "mean_step_ms": 1e3 * c.step_seconds_total / c.reported_steps if c.reported_steps else 0.0,
-            "reused_steps": c.reused_steps,
+            "reused_steps": c.reused_steps, **self._model_stats(),
         }
+
+    def _model_stats(self) -> dict[str, object]:
+        m = self.drafter.draft_model
+        if m is None:
+            return {"draft_model_sessions": 0, "draft_model_steps": 0, "draft_model_hits": 0}
+        return {"draft_model_sessions": m.open_sessions, "draft_model_steps": m.steps, "draft_model_hits": m.hits}
 
 
 def _after(stream_id: str, snapshot_id: str) -> bool:

@@ -64,6 +64,7 @@ class Runtime:
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=True)
         if self.service is not None:
+            self.service.close()
             self.service.snapshot()
         if self._worker is not None:
             self._worker.close()

@@ -24,9 +24,16 @@ class DrafterService:
     def __init__(self, config: ServiceConfig, persistence: PersistenceFactory | None = None) -> None:
         self.config = config
         self.namespaces: dict[str, Namespace] = {}
+        drafts = {}
+        for model_spec in config.draft_models:  # loaded first: a bad model refuses to start with nothing opened
+            from drafter_service.card import load_drafts
+
+            ns_spec = config.namespace(model_spec.namespace)
+            drafts[model_spec.namespace] = load_drafts(model_spec, ns_spec.vocab_size)
         for spec in config.namespaces:
             store = persistence(spec.name, spec.vocab_size) if persistence is not None else None
-            self.namespaces[spec.name] = Namespace.create(spec.name, config.drafter, spec.vocab_size, store)
+            self.namespaces[spec.name] = Namespace.create(spec.name, config.drafter, spec.vocab_size, store,
+                                                          drafts.get(spec.name))
         self._session_ns: dict[str, Namespace] = {}
         self._lock = threading.Lock()
 
@@ -41,6 +48,11 @@ class DrafterService:
             logger.info("namespace %s: %d requests restored in %.2f s", name, restored[name],
                         time.perf_counter() - t0)
         return restored
+
+    def close(self) -> None:
+        """Stop the draft model workers of every namespace."""
+        for ns in self.namespaces.values():
+            ns.drafter.close()
 
     def snapshot(self) -> None:
         """Save every namespace's dynamic table and statistics (background job and shut-down)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from drafter_service.config import DrafterConfig
+from drafter_service.config import CardSettings, DrafterConfig
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 DEFAULT_NAMESPACE = "default"
@@ -40,6 +40,51 @@ class NamespaceSpec:
 
 
 @dataclass(frozen=True)
+class DraftModelSpec:
+    """An optional draft model for one namespace.
+
+    Attributes:
+        namespace: the namespace it drafts for (its vocabulary must match the model's).
+        path: folder of the model (from ``drafter distill-draft`` or any transformers causal-LM checkpoint).
+        device: "cpu", "cuda" or "cuda:N".
+        dtype: "float32", "bfloat16" or "float16".
+        threads: torch CPU threads for the model (0 leaves torch's default).
+        card: cache sizes and policies.
+    """
+
+    namespace: str
+    path: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 0
+    card: CardSettings = field(default_factory=CardSettings)
+
+    def __post_init__(self) -> None:
+        check_name(self.namespace)
+        if not self.path:
+            raise ValueError(f"namespace {self.namespace!r}: empty draft model path")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"draft model dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"draft model device must be cpu or cuda[:N], got {self.device!r}")
+        if self.threads < 0:
+            raise ValueError(f"draft model threads must be >= 0, got {self.threads}")
+
+    @classmethod
+    def parse_list(cls, text: str, **common: object) -> tuple["DraftModelSpec", ...]:
+        """Parse ``[NAMESPACE=]PATH[,...]`` (no namespace means the default one)."""
+        specs = []
+        for part in (p.strip() for p in text.split(",")):
+            if not part:
+                continue
+            name, sep, path = part.partition("=")
+            if not sep:
+                name, path = DEFAULT_NAMESPACE, part
+            specs.append(cls(name.strip(), path.strip(), **common))  # type: ignore[arg-type]
+        return tuple(specs)
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
     """Everything ``drafter serve`` is configured with (flags and environment variables fill it).
 
@@ -59,6 +104,7 @@ class ServiceConfig:
         max_nodes_limit: largest tree budget a client may ask for.
         max_sessions: most live sessions over all namespaces.
         workers: gRPC server threads.
+        draft_models: optional draft models, at most one per namespace.
     """
 
     address: str = "127.0.0.1:50051"
@@ -76,6 +122,7 @@ class ServiceConfig:
     max_nodes_limit: int = 1024
     max_sessions: int = 100000
     workers: int = 64
+    draft_models: tuple[DraftModelSpec, ...] = ()
 
     def __post_init__(self) -> None:
         names = [ns.name for ns in self.namespaces]
@@ -84,6 +131,12 @@ class ServiceConfig:
         if DEFAULT_NAMESPACE not in names:
             object.__setattr__(self, "namespaces",
                                (NamespaceSpec(DEFAULT_NAMESPACE, self.default_vocab_size),) + tuple(self.namespaces))
+        drafted = [spec.namespace for spec in self.draft_models]
+        if len(set(drafted)) != len(drafted):
+            raise ValueError(f"more than one draft model for a namespace in {drafted}")
+        for name in drafted:
+            if self.namespace(name) is None:
+                raise ValueError(f"draft model for undeclared namespace {name!r}")
         for name in ("rebuild_interval_s", "snapshot_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

@@ -6,12 +6,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from drafter_service.tree import EMPTY_TREE, DraftTree
+from drafter_service.tree import EMPTY_TREE, DraftTree, accept_greedy
 from drafter_service.tree_builder import Evidence, score_draft
 from store.match_kernels import continuations, scan_matches
 from store.token_store import EMPTY, Continuations
 
 if TYPE_CHECKING:
+    from drafter_service.card import CardSession
     from drafter_service.drafter import Drafter
 
 
@@ -30,8 +31,10 @@ class DraftSession:
         self._tokens[:prompt.size] = prompt
         self._len = int(prompt.size)
         self.max_nodes = int(max_nodes)
-        self._last_tree: DraftTree = EMPTY_TREE
+        self._last_tree: DraftTree = EMPTY_TREE  # the model-free part of the last draft
         self._last_evidence: Evidence | None = None
+        self._last_served: DraftTree | None = None  # the last draft as served, when it differs
+        self.card: "CardSession | None" = None  # the draft model's cache, when the namespace has one
         self._ema_accepted = 1.0  # accepted draft tokens per step, exponentially averaged
         self.steps = 0
         self.drafted = 0
@@ -77,11 +80,16 @@ class DraftSession:
         return hit
 
     def _score_last_draft(self, accepted: np.ndarray) -> int:
-        tree, evidence = self._last_tree, self._last_evidence
-        self._last_tree, self._last_evidence = EMPTY_TREE, None
-        if not len(tree) or evidence is None:
+        tree, evidence, served = self._last_tree, self._last_evidence, self._last_served
+        self._last_tree, self._last_evidence, self._last_served = EMPTY_TREE, None, None
+        n_acc = 0
+        if len(tree) and evidence is not None:
+            n_acc = score_draft(tree, evidence, accepted.tolist(), self.drafter.model)
+        if served is not None and len(served):
+            tree = served
+            n_acc = accept_greedy(served, accepted.tolist())[0]
+        if not len(tree):
             return 0
-        n_acc = score_draft(tree, evidence, accepted.tolist(), self.drafter.model)
         self.steps += 1
         self.drafted += len(tree)
         self.accepted += n_acc
@@ -120,6 +128,13 @@ class DraftSession:
         ends = ends[::-1]
         return Continuations(m, counts, continuations(self._tokens, ends + 1, depth, n))
 
-    def remember(self, tree: DraftTree, evidence: Evidence) -> None:
-        """Keep the draft just served so the next ``extend`` can score it."""
+    def remember(self, tree: DraftTree, evidence: Evidence, served: DraftTree | None = None) -> None:
+        """Keep the draft just served so the next ``extend`` can score it.
+
+        Args:
+            tree: the model-free tree, scored against its evidence.
+            evidence: why each of its nodes was proposed.
+            served: the tree actually served when it differs (merged with the draft model's).
+        """
         self._last_tree, self._last_evidence = tree, evidence
+        self._last_served = served if served is not tree else None

@@ -135,3 +135,59 @@ def chain(tokens: Sequence[int], probs: Sequence[float] | None = None, source: s
     ps = tuple(probs) if probs is not None else (1.0,) * n
     return DraftTree(tuple(int(t) for t in tokens), tuple(range(-1, n - 1)), ps, float(sum(ps)),
                      (source,) * n if source else ())
+
+
+def merge_trees(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
+    """The union of two trees over the same root, cut to the ``budget`` most likely nodes.
+
+    A path proposed by both becomes one node whose estimate is the larger of the two (and whose source is that
+    tree's). Nodes come best first, so every ``prefix`` of the result is the best tree of its size.
+
+    Args:
+        first, second: trees rooted at the same sequence end.
+        budget: most nodes in the result.
+    """
+    if not len(second) or budget <= 0:
+        return first.prefix(max(0, budget))
+    if not len(first):
+        return second.prefix(budget)
+    toks: list[int] = []
+    parents: list[int] = []
+    probs: list[float] = []
+    depth: list[int] = []
+    srcs: list[str] = []
+    index: dict[tuple[int, int], int] = {}
+    for tree in (first, second):
+        local: list[int] = []  # this tree's node -> merged node
+        for i, (tok, p) in enumerate(zip(tree.token_ids, tree.parents)):
+            parent = local[p] if p >= 0 else -1
+            key = (parent, tok)
+            j = index.get(key)
+            src = tree.sources[i] if tree.sources else ""
+            if j is None:
+                j = index[key] = len(toks)
+                toks.append(tok)
+                parents.append(parent)
+                probs.append(tree.probs[i])
+                depth.append(depth[parent] + 1 if parent >= 0 else 1)
+                srcs.append(src)
+            elif tree.probs[i] > probs[j]:
+                probs[j] = tree.probs[i]
+                srcs[j] = src
+            local.append(j)
+    order = sorted(range(len(toks)), key=lambda j: (-probs[j], depth[j]))[:budget]
+    new = {-1: -1}
+    out_t: list[int] = []
+    out_p: list[int] = []
+    out_pr: list[float] = []
+    out_s: list[str] = []
+    for j in order:
+        if parents[j] not in new:
+            continue  # only when a child ties its parent and sorts first: never happens after the depth key
+        new[j] = len(out_t)
+        out_t.append(toks[j])
+        out_p.append(new[parents[j]])
+        out_pr.append(probs[j])
+        out_s.append(srcs[j])
+    return DraftTree(tuple(out_t), tuple(out_p), tuple(out_pr), float(sum(out_pr)),
+                     tuple(out_s) if any(out_s) else ())

@@ -2,7 +2,7 @@
 
 import pytest
 
-from drafter_service.tree import DraftTree, accept_greedy, chain
+from drafter_service.tree import DraftTree, accept_greedy, chain, merge_trees
 
 # root -> 5 -> 6 -> 7 ; root -> 8 -> 9 ; 5 -> 4
 TREE = DraftTree((5, 8, 6, 9, 7, 4), (-1, -1, 0, 1, 2, 0), (0.9, 0.5, 0.8, 0.4, 0.7, 0.1), 3.4)
@@ -65,3 +65,23 @@ def test_prefix_keeps_the_first_nodes_as_a_tree():
     assert p.score == pytest.approx(0.9 + 0.5 + 0.8 + 0.4)
     p.check_invariants()
     assert TREE.prefix(10) is TREE and len(TREE.prefix(0)) == 0
+
+
+def test_merge_unites_paths_and_keeps_the_larger_estimate():
+    a = DraftTree((5, 6, 7), (-1, 0, -1), (0.8, 0.5, 0.1), 1.4, ("store",) * 3)
+    b = DraftTree((5, 9, 6), (-1, 0, 0), (0.9, 0.6, 0.2), 1.7, ("model",) * 3)
+    merged = merge_trees(a, b, 10)
+    merged.check_invariants(max_nodes=10)
+    paths = {tuple(merged.path(i)): (merged.probs[i], merged.sources[i]) for i in range(len(merged))}
+    assert paths == {(5,): (0.9, "model"), (5, 6): (0.5, "store"), (5, 9): (0.6, "model"), (7,): (0.1, "store")}
+    assert list(merged.probs) == sorted(merged.probs, reverse=True)  # best first: every prefix is the best tree
+
+
+def test_merge_cuts_to_the_budget_best_first():
+    a = chain([1, 2, 3, 4], [0.9, 0.8, 0.3, 0.2], "session")
+    b = DraftTree((1, 7, 8), (-1, 0, 1), (0.9, 0.7, 0.6), 2.2, ("model",) * 3)
+    merged = merge_trees(a, b, 4)
+    merged.check_invariants(max_nodes=4)
+    assert [tuple(merged.path(i)) for i in range(4)] == [(1,), (1, 2), (1, 7), (1, 7, 8)]
+    assert merge_trees(a, DraftTree(), 3) == a.prefix(3)
+    assert merge_trees(DraftTree(), b, 2) == b.prefix(2)

@@ -15,11 +15,13 @@ class Source(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SOURCE_STORE: _ClassVar[Source]
     SOURCE_DYNAMIC: _ClassVar[Source]
     SOURCE_FROZEN: _ClassVar[Source]
+    SOURCE_MODEL: _ClassVar[Source]
 SOURCE_UNSPECIFIED: Source
 SOURCE_SESSION: Source
 SOURCE_STORE: Source
 SOURCE_DYNAMIC: Source
 SOURCE_FROZEN: Source
+SOURCE_MODEL: Source
 
 class StartSessionRequest(_message.Message):
     __slots__ = ("namespace", "session_id", "prompt", "max_nodes")
@@ -118,7 +120,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("namespace", "vocab_size", "stored_tokens", "stored_requests", "indexed_tokens", "unindexed_tokens", "memory_bytes", "index_age_seconds", "dynamic_leaders", "frozen_tables", "active_sessions", "drafts", "drafted_tokens", "confirmed_tokens", "mean_accepted_length", "draft_latency_p50_us", "draft_latency_p99_us", "persistence_healthy", "reported_steps", "mean_step_ms", "reused_steps")
+    __slots__ = ("namespace", "vocab_size", "stored_tokens", "stored_requests", "indexed_tokens", "unindexed_tokens", "memory_bytes", "index_age_seconds", "dynamic_leaders", "frozen_tables", "active_sessions", "drafts", "drafted_tokens", "confirmed_tokens", "mean_accepted_length", "draft_latency_p50_us", "draft_latency_p99_us", "persistence_healthy", "reported_steps", "mean_step_ms", "reused_steps", "draft_model_sessions", "draft_model_steps", "draft_model_hits")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +142,9 @@ class GetStatsResponse(_message.Message):
     REPORTED_STEPS_FIELD_NUMBER: _ClassVar[int]
     MEAN_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     REUSED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_HITS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     vocab_size: int
     stored_tokens: int
@@ -161,4 +166,7 @@ class GetStatsResponse(_message.Message):
     reported_steps: int
     mean_step_ms: float
     reused_steps: int
-    def __init__(self, namespace: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stored_tokens: _Optional[int] = ..., stored_requests: _Optional[int] = ..., indexed_tokens: _Optional[int] = ..., unindexed_tokens: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., index_age_seconds: _Optional[float] = ..., dynamic_leaders: _Optional[int] = ..., frozen_tables: _Optional[_Iterable[str]] = ..., active_sessions: _Optional[int] = ..., drafts: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., confirmed_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., draft_latency_p50_us: _Optional[float] = ..., draft_latency_p99_us: _Optional[float] = ..., persistence_healthy: _Optional[bool] = ..., reported_steps: _Optional[int] = ..., mean_step_ms: _Optional[float] = ..., reused_steps: _Optional[int] = ...) -> None: ...
+    draft_model_sessions: int
+    draft_model_steps: int
+    draft_model_hits: int
+    def __init__(self, namespace: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stored_tokens: _Optional[int] = ..., stored_requests: _Optional[int] = ..., indexed_tokens: _Optional[int] = ..., unindexed_tokens: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., index_age_seconds: _Optional[float] = ..., dynamic_leaders: _Optional[int] = ..., frozen_tables: _Optional[_Iterable[str]] = ..., active_sessions: _Optional[int] = ..., drafts: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., confirmed_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., draft_latency_p50_us: _Optional[float] = ..., draft_latency_p99_us: _Optional[float] = ..., persistence_healthy: _Optional[bool] = ..., reported_steps: _Optional[int] = ..., mean_step_ms: _Optional[float] = ..., reused_steps: _Optional[int] = ..., draft_model_sessions: _Optional[int] = ..., draft_model_steps: _Optional[int] = ..., draft_model_hits: _Optional[int] = ...) -> None: ...

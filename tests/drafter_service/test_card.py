@@ -1,0 +1,77 @@
+"""One session's draft-model cache on its worker thread: calibration, cache hits, vocabulary, shutdown."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from drafter_service.card import DraftModelDrafts, ProbabilityCalibration  # noqa: E402
+from drafter_service.config import CardSettings  # noqa: E402
+
+PROMPT = [3, 17, 5, 9, 22, 5]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(config).float().eval()
+
+
+def settled(session, timeout: float = 10.0):
+    session.settle(timeout)
+    assert not session.cache.wants_growth()
+    return session
+
+
+def test_calibration_follows_the_outcomes():
+    cal = ProbabilityCalibration(prior=4.0)
+    assert cal.rate(0.95) == pytest.approx(0.95)
+    cal.record([(0.95, False)] * 96)
+    assert cal.rate(0.95) == pytest.approx(0.95 * 4 / 100)
+    assert cal.rate(0.05) == pytest.approx(0.05)  # other buckets untouched
+
+
+def test_a_step_through_the_cache_is_a_hit_and_a_step_beside_it_is_not(model):
+    drafts = DraftModelDrafts(model, CardSettings(width=6, top_k=3, layers_ahead=3))
+    session = settled(drafts.open(PROMPT))
+    try:
+        assert session.correct([7]) is None  # nothing was served yet
+        tree = settled(session).query(8)
+        tree.check_invariants(max_nodes=8)
+        assert set(tree.sources) == {"model"}
+        path = tree.path(max(range(len(tree)), key=lambda i: (len(tree.path(i)), tree.probs[i])))
+        assert session.correct(path + [0]) is True  # every accepted draft token lay in the cache
+        tree = settled(session).query(8)
+        wrong = next(t for t in range(40) if t not in {tree.token_ids[i] for i in range(len(tree))
+                                                         if tree.parents[i] < 0})
+        assert session.correct([wrong]) is False
+    finally:
+        drafts.close(session)
+    assert not session.alive and drafts.open_sessions == 0
+
+
+def test_vocabulary_follows_the_frequencies(model):
+    drafts = DraftModelDrafts(model, CardSettings(width=6, top_k=2, layers_ahead=2, vocab=5))
+    drafts.set_frequencies(np.array([11, 11, 11, 12, 12, 13, 14, 15, 15, 16] * 10))
+    session = settled(drafts.open(PROMPT))
+    try:
+        tree = session.query(50)
+        assert len(tree) and set(tree.token_ids) <= {11, 12, 13, 14, 15}
+    finally:
+        drafts.close(session)
+
+
+def test_closing_stops_the_worker_promptly(model):
+    drafts = DraftModelDrafts(model, CardSettings(width=4, top_k=2, layers_ahead=500, max_nodes=100_000))
+    session = drafts.open(PROMPT)
+    time.sleep(0.05)  # mid-growth
+    t0 = time.monotonic()
+    drafts.close(session)
+    assert not session.alive and time.monotonic() - t0 < 2.0
