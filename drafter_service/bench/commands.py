@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import pathlib
 import sys
 import time
 from typing import Sequence
@@ -41,6 +42,14 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
                     "data set or request file (requests --frozen-skip.. are used, to stay apart from the replay)")
     rp.add_argument("--frozen-skip", type=int, default=0, help="corpus requests skipped first")
     rp.add_argument("--frozen-limit", type=int, default=10000, help="corpus requests used")
+    rp.add_argument("--draft-model", help="also run drafter with this draft model (CARD cache: with correction, "
+                    "without it, and without model-free sources)")
+    rp.add_argument("--draft-threads", type=int, default=2, help="torch threads of the draft model")
+    rp.add_argument("--card-width", type=int, default=16, help="K of the draft model's cache")
+    rp.add_argument("--card-top-k", type=int, default=4, help="k of the draft model's cache")
+    rp.add_argument("--card-layers", type=int, default=6,
+                    help="layers the draft model grows per verification step (the communication ratio)")
+    rp.add_argument("--card-vocab", type=int, default=8192, help="draft over this many of the most frequent tokens")
     rp.set_defaults(func=run_replay)
     st = bench.add_parser("store", help="index size, rebuild time and draft latency with a large store")
     st.add_argument("--tokens", type=int, default=10_000_000, help="tokens to fill the store with")
@@ -87,6 +96,8 @@ def run_replay(args: argparse.Namespace) -> int:
                 warm = CoreDrafter(name="drafter+frozen")
                 warm.core.add_frozen(args.frozen_corpus, frozen)
                 drafters.append(warm)
+            if args.draft_model:
+                drafters += _card_drafters(args, reqs)
             drafters += [d for d in map(_make_peer, peers) if d is not None]
             for drafter in drafters:
                 with tqdm(total=len(reqs), desc=f"{name} b={budget} {drafter.name}", unit="req",
@@ -97,6 +108,37 @@ def run_replay(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump([r.as_dict() for r in results], f, indent=1)
     return 0
+
+
+def _card_drafters(args: argparse.Namespace, reqs: Sequence[Request]) -> list[ReplayDrafter]:
+    """drafter with the draft model: CARD with correction, without it (ablation), and the model alone."""
+    import torch
+
+    from drafter_service.card import DraftModelDrafts
+    from drafter_service.config import CardSettings
+    from drafter_service.draft_model import load_draft_model
+
+    torch.set_num_threads(args.draft_threads)
+    vocab = max(int(max(r.prompt.max(initial=0), r.output.max(initial=0))) for r in reqs) + 1
+    model = load_draft_model(args.draft_model)
+    if vocab > model.config.vocab_size:
+        raise SystemExit(f"the requests hold token id {vocab - 1}, beyond the draft model's vocabulary")
+    variants = [("drafter+card", True, True), ("drafter+card-nocorr", True, False), ("card-only", False, True)]
+    out: list[ReplayDrafter] = []
+    for name, model_free, correction in variants:
+        settings = CardSettings(width=args.card_width, top_k=args.card_top_k, layers_ahead=args.card_layers,
+                                correction=correction, max_sessions=1, vocab=args.card_vocab)
+        sources = {f"use_{s}": model_free for s in ("session", "store", "dynamic", "frozen")}
+        drafts = DraftModelDrafts(model, settings, _token_counts(args.draft_model))
+        out.append(CoreDrafter(DrafterConfig(**sources), name, drafts))
+    return out
+
+
+def _token_counts(folder: str) -> np.ndarray | None:
+    from drafter_service.draft_model import TOKEN_COUNTS
+
+    path = pathlib.Path(folder) / TOKEN_COUNTS
+    return np.load(path) if path.is_file() else None
 
 
 def _frozen_table(args: argparse.Namespace) -> FrozenNGramTable:
@@ -136,6 +178,8 @@ def format_table(results: Sequence[ReplayResult]) -> str:
         ratio = f"{r.mat / peer:.2f}×" if _is_ours(r.drafter) and peer else ""
         lines.append(f"| {r.dataset} | {r.budget} | {r.drafter} | {r.mat:.3f} | {ratio} | {r.hit_rate:.1%} | "
                      f"{r.mean_nodes:.1f} | {r.p50_us:.0f} | {r.p99_us:.0f} |")
+    lines += [f"\n{r.dataset} b={r.budget} {r.drafter}: draft model cache hit rate {r.model_hit_rate:.1%} of its steps"
+              for r in results if r.model_hit_rate is not None]
     return "\n".join(lines)
 
 

@@ -26,7 +26,19 @@ logger = logging.getLogger(__name__)
 EOS = 2
 
 #: Methods in the order they run for each prompt (interleaved, so machine noise hits all alike).
-METHODS = ("greedy", "drafter", "hf", "hf-pld")
+METHODS = ("greedy", "drafter", "card", "card-nocorr", "card-only", "hf", "hf-pld", "hf-assist")
+
+#: Methods drafted by a service of their own, with the flags that service runs with.
+SERVICE_METHODS = {"drafter": (), "card": ("card",), "card-nocorr": ("card", "--card-correction", "0"),
+                   "card-only": ("card", "--sources", "none")}
+
+#: Methods that need the draft model.
+MODEL_METHODS = ("card", "card-nocorr", "card-only", "hf-assist")
+
+#: Where ``drafter distill-draft`` puts the draft model the benchmark uses by default.
+DEFAULT_DRAFT = "drafts/smollm2-4l"
+
+DEFAULT_METHODS = ("greedy", "drafter", "hf", "hf-pld")
 
 
 def add_e2e_bench(bench: argparse._SubParsersAction) -> None:
@@ -42,7 +54,17 @@ def add_e2e_bench(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--show", action="store_true", help="print each measured answer as drafter generated it")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)} (card*: drafter with the draft model, "
+                   "with CARD's correction, without it, and without model-free sources; hf-assist: transformers' "
+                   "assisted generation with the same draft model)")
+    p.add_argument("--draft-model", default="", help=f"draft model folder (default: <cache>/{DEFAULT_DRAFT})")
+    p.add_argument("--draft-threads", type=int, default=1, help="torch threads of the service's draft model")
+    p.add_argument("--card-width", type=int, default=16, help="K of the draft model's cache")
+    p.add_argument("--card-top-k", type=int, default=4, help="k of the draft model's cache")
+    p.add_argument("--card-layers", type=int, default=6, help="layers grown ahead of the verified prefix")
+    p.add_argument("--card-vocab", type=int, default=8192, help="draft over this many of the most frequent tokens")
+    p.add_argument("--card-nice", type=int, default=0, help="CPU niceness of the service's draft model threads")
     p.add_argument("--address", default="", help="use this running service instead of starting one")
     p.add_argument("--json", default="", help="also write the per-request results here")
     p.set_defaults(func=run_e2e_bench)
@@ -71,6 +93,7 @@ class WorkloadResult:
     dataset: str
     runs: list[Run] = field(default_factory=list)
     reuse: dict[str, float] = field(default_factory=dict)
+    cache_hits: dict[str, float] = field(default_factory=dict)  # method -> draft model cache hit rate
 
     def of(self, method: str) -> list[Run]:
         return [r for r in self.runs if r.method == method]
@@ -107,8 +130,15 @@ def _warm(dataset: str, prompts: list[Prompt], engine_run: Callable[[np.ndarray]
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def run_workload(dataset: str, args: argparse.Namespace, model: object, address: str) -> WorkloadResult:
-    """Warm the service with a workload, then run every method on its measured prompts."""
+def run_workload(dataset: str, args: argparse.Namespace, model: object, addresses: dict[str, str],
+                 draft: object = None) -> WorkloadResult:
+    """Warm each method's service with a workload, then run every method on its measured prompts.
+
+    Args:
+        addresses: service address of each method drafted by a service.
+        draft: the draft model, for ``hf-assist``.
+    """
+    from engine_client.admin import stats
     from engine_client.client import DrafterClient
     from engine_client.draft_source import NoDrafts
     from engine_client.engine import ReferenceEngine
@@ -117,9 +147,11 @@ def run_workload(dataset: str, args: argparse.Namespace, model: object, address:
     warm = load_prompts(dataset, args.warm)
     measured = load_prompts(dataset, args.requests, skip=args.warm)
     result = WorkloadResult(dataset)
-    with DrafterClient(address, max_nodes=args.max_nodes) as client:
+    clients = {m: DrafterClient(addr, max_nodes=args.max_nodes) for m, addr in addresses.items()}
+    try:
         plain = ReferenceEngine(model, NoDrafts(), max_nodes=args.max_nodes)
-        drafted = ReferenceEngine(model, client, max_nodes=args.max_nodes, adaptive=not args.fixed_budget)
+        engines = {m: ReferenceEngine(model, c, max_nodes=args.max_nodes, adaptive=not args.fixed_budget)
+                   for m, c in clients.items()}
 
         def engine_run(engine: ReferenceEngine, prompt: np.ndarray) -> Run:
             t0 = time.perf_counter()  # prefill included, as in transformers' generate
@@ -127,18 +159,25 @@ def run_workload(dataset: str, args: argparse.Namespace, model: object, address:
             return Run("", "", list(out.tokens), time.perf_counter() - t0, len(out.steps),
                        sum(s.draft_seconds for s in out.steps))
 
-        _warm(dataset, warm, lambda p: engine_run(drafted, p).tokens, client,
-              f"{args.dtype}-{args.max_new_tokens}")
+        for m, client in clients.items():
+            _warm(dataset, warm, lambda p: engine_run(engines[m], p).tokens, client,
+                  f"{args.dtype}-{args.max_new_tokens}")
         engine_run(plain, measured[0].token_ids[:32])  # first-call costs (allocator, kernels) out of the way
-        client.reset_stats_local()
+        for client in clients.values():
+            client.reset_stats_local()
+        before = {m: stats(addr) for m, addr in addresses.items()}
         for p in tqdm(measured, desc=f"{dataset}: measuring", unit="req"):
             for method in methods:
                 if method == "greedy":
                     run = engine_run(plain, p.token_ids)
-                elif method == "drafter":
-                    run = engine_run(drafted, p.token_ids)
+                elif method in engines:
+                    run = engine_run(engines[method], p.token_ids)
                 else:
-                    kwargs = {"prompt_lookup_num_tokens": 10} if method == "hf-pld" else {}
+                    kwargs: dict[str, object] = {}
+                    if method == "hf-pld":
+                        kwargs = {"prompt_lookup_num_tokens": 10}
+                    elif method == "hf-assist":
+                        kwargs = {"assistant_model": draft}
                     toks, secs = _hf_generate(model, p.token_ids, args.max_new_tokens, **kwargs)
                     run = Run("", "", toks, secs)
                 run.method, run.prompt_id = method, p.prompt_id
@@ -146,7 +185,17 @@ def run_workload(dataset: str, args: argparse.Namespace, model: object, address:
                 if args.show and method == "drafter":
                     tqdm.write(f"--- {p.prompt_id}: {run.tokens_per_s:.1f} tokens/s, {run.steps} steps\n"
                                + load_smollm2_tokenizer().decode(run.tokens))
-        result.reuse = {k: v for k, v in client.stats_local().as_dict().items() if isinstance(v, (int, float))}
+        if "drafter" in clients:
+            result.reuse = {k: v for k, v in clients["drafter"].stats_local().as_dict().items()
+                            if isinstance(v, (int, float))}
+        for m, addr in addresses.items():
+            after = stats(addr)
+            steps = after["draft_model_steps"] - before[m]["draft_model_steps"]
+            if steps:
+                result.cache_hits[m] = (after["draft_model_hits"] - before[m]["draft_model_hits"]) / steps
+    finally:
+        for client in clients.values():
+            client.close()
     return result
 
 
@@ -157,8 +206,9 @@ def _median_ratio(a: Sequence[Run], b: Sequence[Run]) -> float:
 def format_result(res: WorkloadResult) -> str:
     """A table: tokens/s, MAT and speedups of each method on one workload."""
     lines = [f"{res.dataset}: {len({r.prompt_id for r in res.runs})} requests",
-             f"  {'method':<9} {'tok/s (all)':>11} {'tok/s p50':>10} {'MAT':>6} {'vs greedy':>10} {'vs hf-pld':>10}"]
-    base, pld = res.of("greedy"), res.of("hf-pld")
+             f"  {'method':<11} {'tok/s (all)':>11} {'tok/s p50':>10} {'MAT':>6} {'vs greedy':>10} {'vs hf-pld':>10}"
+             f" {'vs assist':>10}"]
+    base, pld, assist = res.of("greedy"), res.of("hf-pld"), res.of("hf-assist")
     for method in METHODS:
         runs = res.of(method)
         if not runs:
@@ -168,7 +218,10 @@ def format_result(res: WorkloadResult) -> str:
         mat = f"{sum(len(r.tokens) for r in runs) / sum(r.steps for r in runs):.2f}" if runs[0].steps else "-"
         vs_g = f"{_median_ratio(runs, base):.2f}x" if base else "-"
         vs_p = f"{_median_ratio(runs, pld):.2f}x" if pld else "-"
-        lines.append(f"  {method:<9} {total:>11.1f} {p50:>10.1f} {mat:>6} {vs_g:>10} {vs_p:>10}")
+        vs_a = f"{_median_ratio(runs, assist):.2f}x" if assist else "-"
+        lines.append(f"  {method:<11} {total:>11.1f} {p50:>10.1f} {mat:>6} {vs_g:>10} {vs_p:>10} {vs_a:>10}")
+    for method, rate in res.cache_hits.items():
+        lines.append(f"  {method}: draft model cache hit rate {100 * rate:.1f}% of steps with its drafts")
     if base and res.of("drafter"):
         same = sum(a.tokens == b.tokens for a, b in zip(base, res.of("drafter")))
         d = res.of("drafter")
@@ -183,35 +236,70 @@ def format_result(res: WorkloadResult) -> str:
     return "\n".join(lines)
 
 
+def _draft_folder(args: argparse.Namespace) -> Path:
+    folder = Path(args.draft_model) if args.draft_model else cache_dir() / DEFAULT_DRAFT
+    if not (folder / "config.json").is_file():
+        raise SystemExit(f"no draft model at {folder}: train one with `drafter distill-draft --out {folder}` "
+                         "or pass --draft-model")
+    return folder
+
+
+def _service_args(kind: tuple[str, ...], args: argparse.Namespace, draft: Path | None) -> list[str]:
+    if not kind:
+        return []
+    return ["--draft-model", str(draft), "--draft-dtype", args.dtype, "--draft-threads", str(args.draft_threads),
+            "--card-width", str(args.card_width), "--card-top-k", str(args.card_top_k),
+            "--card-layers", str(args.card_layers), "--card-vocab", str(args.card_vocab),
+            "--card-nice", str(args.card_nice), *kind[1:]]
+
+
 def run_e2e_bench(args: argparse.Namespace) -> int:
     """Entry point of ``drafter bench e2e``."""
     import torch
 
     from drafter_service.bench.model import load_smollm2
 
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"unknown methods {sorted(unknown)}; choose among {', '.join(METHODS)}")
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     model = load_smollm2(dtype)
     device = str(model.device)
+    draft_folder = _draft_folder(args) if set(methods) & set(MODEL_METHODS) else None
+    draft = None
+    if "hf-assist" in methods:
+        from drafter_service.draft_model import load_draft_model
+
+        draft = load_draft_model(draft_folder, model.config.vocab_size, dtype=dtype, device=device)
     print(f"SmolLM2-135M-Instruct, {args.dtype}, {device}, {torch.get_num_threads()} threads, "
-          f"max_new_tokens={args.max_new_tokens}, max_nodes={args.max_nodes}", flush=True)
+          f"max_new_tokens={args.max_new_tokens}, max_nodes={args.max_nodes}"
+          + (f", draft model {draft_folder}" if draft_folder else ""), flush=True)
+    served = [m for m in methods if m in SERVICE_METHODS]
     results = []
     for dataset in args.dataset or ["gsm8k"]:
         with tempfile.TemporaryDirectory(prefix="drafter-e2e-") as tmp:
-            service = None
-            address = args.address
-            if not address:  # a fresh service per workload: what it knows comes from that workload only
-                service = ServiceProcess(Path(tmp), capacity=1 << 22)
-                service.start()
-                address = service.address
+            services: list[ServiceProcess] = []
+            addresses: dict[str, str] = {}
             try:
-                res = run_workload(dataset, args, model, address)
+                for method in served:
+                    if args.address and method == "drafter":
+                        addresses[method] = args.address
+                        continue
+                    # a fresh service per workload: what it knows comes from that workload only
+                    service = ServiceProcess(Path(tmp) / method, capacity=1 << 22,
+                                             extra_args=_service_args(SERVICE_METHODS[method], args, draft_folder))
+                    services.append(service)
+                    service.start()
+                    addresses[method] = service.address
+                res = run_workload(dataset, args, model, addresses, draft)
             finally:
-                if service is not None:
+                for service in services:
                     service.stop()
         results.append(res)
         print(format_result(res), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps([{"dataset": r.dataset, "reuse": r.reuse,
+        Path(args.json).write_text(json.dumps([{"dataset": r.dataset, "reuse": r.reuse, "cache_hits": r.cache_hits,
                                                 "runs": [asdict(x) for x in r.runs]} for r in results]))
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -15,22 +15,40 @@ from drafter_service.config import DrafterConfig
 from drafter_service.drafter import Drafter
 from drafter_service.tree import DraftTree, accept_greedy
 
+if TYPE_CHECKING:
+    from drafter_service.card import DraftModelDrafts
+
 logger = logging.getLogger(__name__)
 
 
 class CoreDrafter:
     """drafter's own core behind the replay protocol; index rebuilds run between requests, untimed,
-    as the service's background job runs them between draft calls."""
+    as the service's background job runs them between draft calls.
 
-    def __init__(self, config: DrafterConfig | None = None, name: str = "drafter") -> None:
+    With a draft model, every step waits (untimed) until the model has grown its cache ``layers_ahead`` layers
+    below the verified prefix: the replay fixes the communication ratio instead of racing a target.
+    """
+
+    def __init__(self, config: DrafterConfig | None = None, name: str = "drafter",
+                 draft_model: "DraftModelDrafts | None" = None) -> None:
         self.name = name
-        self.core = Drafter(config)
+        self.core = Drafter(config, draft_model)
+        self.untimed_ns = 0  # waiting for the draft model, taken out of the latency figures
+
+    def _settle(self, request_id: str) -> None:
+        card = self.core.session(request_id).card
+        if card is not None:
+            t0 = time.perf_counter_ns()
+            card.settle()
+            self.untimed_ns += time.perf_counter_ns() - t0
 
     def start(self, request_id: str, prompt: Sequence[int]) -> None:
         self.core.start(request_id, prompt)
+        self._settle(request_id)
 
     def extend(self, request_id: str, tokens: Sequence[int]) -> None:
         self.core.extend(request_id, tokens)
+        self._settle(request_id)
 
     def propose(self, request_id: str, max_nodes: int) -> DraftTree:
         return self.core.propose(request_id, max_nodes)
@@ -49,6 +67,7 @@ class ReplayResult:
         hit_rate: share of steps that accepted at least one draft token.
         mean_nodes: nodes drafted per step.
         p50_us, p99_us: latency of one draft (correction + proposal) in microseconds.
+        model_hit_rate: with a draft model, share of its steps whose accepted draft tokens all lay in its cache.
     """
 
     drafter: str
@@ -60,6 +79,7 @@ class ReplayResult:
     hits: int = 0
     nodes: int = 0
     latencies_ns: list[int] = field(default_factory=list, repr=False)
+    model_hit_rate: float | None = None
 
     @property
     def mat(self) -> float:
@@ -89,7 +109,8 @@ class ReplayResult:
         return {"drafter": self.drafter, "dataset": self.dataset, "budget": self.budget,
                 "requests": self.requests, "steps": self.steps, "mat": round(self.mat, 4),
                 "hit_rate": round(self.hit_rate, 4), "mean_nodes": round(self.mean_nodes, 2),
-                "p50_us": round(self.p50_us, 1), "p99_us": round(self.p99_us, 1)}
+                "p50_us": round(self.p50_us, 1), "p99_us": round(self.p99_us, 1),
+                "model_hit_rate": self.model_hit_rate}
 
 
 def replay(drafter: ReplayDrafter, requests: Sequence[Request], budget: int, dataset: str = "",
@@ -103,6 +124,7 @@ def replay(drafter: ReplayDrafter, requests: Sequence[Request], budget: int, dat
     """
     result = ReplayResult(drafter.name, dataset, budget)
     clock = time.perf_counter_ns
+    untimed_before = getattr(drafter, "untimed_ns", 0)
     for done, req in enumerate(requests):
         rid = req.request_id or f"r{done}"
         drafter.start(rid, req.prompt.tolist())
@@ -114,7 +136,9 @@ def replay(drafter: ReplayDrafter, requests: Sequence[Request], budget: int, dat
             if pending:
                 drafter.extend(rid, pending)
             tree = drafter.propose(rid, budget)
-            result.latencies_ns.append(clock() - t0)
+            untimed = getattr(drafter, "untimed_ns", 0)
+            result.latencies_ns.append(clock() - t0 - (untimed - untimed_before))
+            untimed_before = untimed
             if len(tree) > budget:
                 raise AssertionError(f"{drafter.name} drafted {len(tree)} nodes over the budget {budget}")
             accepted, _ = accept_greedy(tree, out[pos:])
@@ -131,4 +155,7 @@ def replay(drafter: ReplayDrafter, requests: Sequence[Request], budget: int, dat
         result.requests += 1
         if progress is not None:
             progress(done + 1)
+    model = getattr(getattr(drafter, "core", None), "draft_model", None)
+    if model is not None and model.steps:
+        result.model_hit_rate = model.hits / model.steps
     return result

@@ -13,7 +13,7 @@ import tempfile
 import queue
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -41,11 +41,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_serving(address: str, timeout: float) -> float:
+def _wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = None) -> float:
     t0 = time.monotonic()
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() - t0 < timeout:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the service at {address} exited with status {proc.returncode}")
             try:
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
                         health_pb2.HealthCheckResponse.SERVING:
@@ -58,8 +60,9 @@ def _wait_serving(address: str, timeout: float) -> float:
 class ServiceProcess:
     """``drafter serve`` in a child process with its own embedded Redis."""
 
-    def __init__(self, data_dir: Path, capacity: int) -> None:
+    def __init__(self, data_dir: Path, capacity: int, extra_args: Sequence[str] = ()) -> None:
         self.data_dir, self.capacity = data_dir, capacity
+        self.extra_args = list(extra_args)
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -69,9 +72,14 @@ class ServiceProcess:
         exe = str(Path(sys.executable).parent / "drafter")
         env = {**os.environ, "DRAFTER_VOCAB_SIZE": "49152", "DRAFTER_CAPACITY": str(self.capacity)}
         t0 = time.monotonic()
-        self.proc = subprocess.Popen([exe, "serve", "--address", self.address, "--data-dir", str(self.data_dir)],
-                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_serving(self.address, 300)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.data_dir / "serve.log", "wb") as log:
+            self.proc = subprocess.Popen([exe, "serve", "--address", self.address, "--data-dir", str(self.data_dir),
+                                          *self.extra_args], env=env, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            _wait_serving(self.address, 300, self.proc)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}: {(self.data_dir / 'serve.log').read_text()[-2000:]}") from None
         return time.monotonic() - t0
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
