@@ -158,7 +158,7 @@ def test_a_restarted_service_gets_its_sessions_back_and_outages_return_empty_tre
                                     reuse=False)  # with reuse, subtrees of the last tree are served offline too
         sid = await client.start(prompt)
         await client.draft(sid, [])
-        server.stop(0)  # every session is lost with it
+        server.stop(0).wait()  # every session is lost with it (stop returns before the server has stopped)
         t0 = time.monotonic()
         for t in output[:20]:
             assert await client.draft(sid, [t]) == EMPTY_TREE
