@@ -16,13 +16,6 @@ from drafter_service.config import CardSettings  # noqa: E402
 PROMPT = [3, 17, 5, 9, 22, 5]
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return transformers.LlamaForCausalLM(config).float().eval()
-
 
 def settled(session, timeout: float = 10.0):
     session.settle(timeout)

@@ -12,13 +12,6 @@ from drafter_service.card_cache import CandidateCache  # noqa: E402
 CONTEXT = [3, 17, 5, 9, 22, 5]
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return transformers.LlamaForCausalLM(config).float().eval()
-
 
 def next_probs(model, tokens: list[int], subset: torch.Tensor | None = None) -> torch.Tensor:
     """The model's next-token distribution after ``tokens``, by a full forward pass without a cache.
