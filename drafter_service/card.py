@@ -55,11 +55,6 @@ class ProbabilityCalibration:
                 self._accepted[b] += 1.0 if hit else 0.0
                 self._trials[b] += 1.0
 
-    def rates(self) -> list[float]:
-        """Current rate of every bucket (for statistics)."""
-        with self._lock:
-            return [a / t for a, t in zip(self._accepted, self._trials)]
-
 
 class CardSession:
     """One request's candidate cache and the thread that grows it.

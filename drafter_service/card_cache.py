@@ -102,7 +102,6 @@ class CandidateCache:
         # Worker-private: the draft model's KV cache and the owner of each of its entries.
         self._kv: Any = None
         self._owners: list[int] = []
-        self.layers_grown = 0
         self._reset_root(list(context))
 
     # -- tree upkeep (callers hold _lock, except in __init__) ------------------------------------------
@@ -302,7 +301,6 @@ class CandidateCache:
                 nid = self._add(tok, parent, self._pos[parent] + 1, cum, p)
                 self._alive.add(nid)
                 added += 1
-            self.layers_grown += 1
             return added
 
     def _compact(self, keep: list[int]) -> None:
@@ -399,11 +397,6 @@ class CandidateCache:
         """Live nodes below the root."""
         with self._lock:
             return len(self._alive) - 1
-
-    @property
-    def kv_length(self) -> int:
-        """Entries in the draft model's KV cache (worker thread's view)."""
-        return len(self._owners)
 
     def check_invariants(self) -> None:
         """Raise AssertionError when tree, KV bookkeeping or probabilities are inconsistent."""
