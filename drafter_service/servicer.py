@@ -12,7 +12,7 @@ from drafter_service.service import DrafterService
 from drafter_service.tree import DraftTree
 
 _SOURCES = {"session": pb.SOURCE_SESSION, "store": pb.SOURCE_STORE, "dynamic": pb.SOURCE_DYNAMIC,
-            "frozen": pb.SOURCE_FROZEN, "model": pb.SOURCE_MODEL}
+            "frozen": pb.SOURCE_FROZEN, "model": pb.SOURCE_MODEL, "repeat": pb.SOURCE_REPEAT}
 
 
 def tree_message(tree: DraftTree, confirmed: int) -> pb.DraftResponse:

@@ -18,7 +18,8 @@ from engine_client.client_common import CALLER_ERRORS, ClientStats, DrafterReque
 logger = logging.getLogger(__name__)
 
 _SOURCE_NAMES = {pb.SOURCE_SESSION: "session", pb.SOURCE_STORE: "store", pb.SOURCE_DYNAMIC: "dynamic",
-                 pb.SOURCE_FROZEN: "frozen", pb.SOURCE_MODEL: "model"}
+                 pb.SOURCE_FROZEN: "frozen", pb.SOURCE_MODEL: "model",
+                 pb.SOURCE_REPEAT: "repeat"}
 _LIMIT_RE = re.compile(r"max_nodes must be in \[0, (\d+)\]")
 
 

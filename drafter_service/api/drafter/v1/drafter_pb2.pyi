@@ -16,12 +16,14 @@ class Source(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SOURCE_DYNAMIC: _ClassVar[Source]
     SOURCE_FROZEN: _ClassVar[Source]
     SOURCE_MODEL: _ClassVar[Source]
+    SOURCE_REPEAT: _ClassVar[Source]
 SOURCE_UNSPECIFIED: Source
 SOURCE_SESSION: Source
 SOURCE_STORE: Source
 SOURCE_DYNAMIC: Source
 SOURCE_FROZEN: Source
 SOURCE_MODEL: Source
+SOURCE_REPEAT: Source
 
 class StartSessionRequest(_message.Message):
     __slots__ = ("namespace", "session_id", "prompt", "max_nodes")
@@ -44,18 +46,20 @@ class StartSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "accepted", "max_nodes", "report_only", "step_seconds")
+    __slots__ = ("session_id", "accepted", "max_nodes", "report_only", "step_seconds", "plain_step_seconds")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     REPORT_ONLY_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     accepted: _containers.RepeatedScalarFieldContainer[int]
     max_nodes: int
     report_only: bool
     step_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., accepted: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., report_only: _Optional[bool] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    plain_step_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., accepted: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., report_only: _Optional[bool] = ..., step_seconds: _Optional[float] = ..., plain_step_seconds: _Optional[float] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("token_ids", "parents", "probs", "score", "sources", "confirmed")
@@ -98,20 +102,24 @@ class Sequence(_message.Message):
     def __init__(self, prompt: _Optional[_Iterable[int]] = ..., output: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class IngestRequest(_message.Message):
-    __slots__ = ("namespace", "requests")
+    __slots__ = ("namespace", "requests", "skip_duplicates")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     requests: _containers.RepeatedCompositeFieldContainer[Sequence]
-    def __init__(self, namespace: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ...) -> None: ...
+    skip_duplicates: bool
+    def __init__(self, namespace: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., skip_duplicates: _Optional[bool] = ...) -> None: ...
 
 class IngestResponse(_message.Message):
-    __slots__ = ("ingested", "tokens")
+    __slots__ = ("ingested", "tokens", "skipped")
     INGESTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
     ingested: int
     tokens: int
-    def __init__(self, ingested: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+    skipped: int
+    def __init__(self, ingested: _Optional[int] = ..., tokens: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("namespace",)
@@ -120,7 +128,21 @@ class GetStatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("namespace", "vocab_size", "stored_tokens", "stored_requests", "indexed_tokens", "unindexed_tokens", "memory_bytes", "index_age_seconds", "dynamic_leaders", "frozen_tables", "active_sessions", "drafts", "drafted_tokens", "confirmed_tokens", "mean_accepted_length", "draft_latency_p50_us", "draft_latency_p99_us", "persistence_healthy", "reported_steps", "mean_step_ms", "reused_steps", "draft_model_sessions", "draft_model_steps", "draft_model_hits")
+    __slots__ = ("namespace", "vocab_size", "stored_tokens", "stored_requests", "indexed_tokens", "unindexed_tokens", "memory_bytes", "index_age_seconds", "dynamic_leaders", "frozen_tables", "active_sessions", "drafts", "drafted_tokens", "confirmed_tokens", "mean_accepted_length", "draft_latency_p50_us", "draft_latency_p99_us", "persistence_healthy", "reported_steps", "mean_step_ms", "reused_steps", "draft_model_sessions", "draft_model_steps", "draft_model_hits", "speedup_steps", "estimated_speedup", "drafted_by_source", "confirmed_by_source", "repeat_hits")
+    class DraftedBySourceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ConfirmedBySourceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +167,11 @@ class GetStatsResponse(_message.Message):
     DRAFT_MODEL_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_HITS_FIELD_NUMBER: _ClassVar[int]
+    SPEEDUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_BY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_BY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_HITS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     vocab_size: int
     stored_tokens: int
@@ -169,4 +196,75 @@ class GetStatsResponse(_message.Message):
     draft_model_sessions: int
     draft_model_steps: int
     draft_model_hits: int
-    def __init__(self, namespace: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stored_tokens: _Optional[int] = ..., stored_requests: _Optional[int] = ..., indexed_tokens: _Optional[int] = ..., unindexed_tokens: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., index_age_seconds: _Optional[float] = ..., dynamic_leaders: _Optional[int] = ..., frozen_tables: _Optional[_Iterable[str]] = ..., active_sessions: _Optional[int] = ..., drafts: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., confirmed_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., draft_latency_p50_us: _Optional[float] = ..., draft_latency_p99_us: _Optional[float] = ..., persistence_healthy: _Optional[bool] = ..., reported_steps: _Optional[int] = ..., mean_step_ms: _Optional[float] = ..., reused_steps: _Optional[int] = ..., draft_model_sessions: _Optional[int] = ..., draft_model_steps: _Optional[int] = ..., draft_model_hits: _Optional[int] = ...) -> None: ...
+    speedup_steps: int
+    estimated_speedup: float
+    drafted_by_source: _containers.ScalarMap[str, int]
+    confirmed_by_source: _containers.ScalarMap[str, int]
+    repeat_hits: int
+    def __init__(self, namespace: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stored_tokens: _Optional[int] = ..., stored_requests: _Optional[int] = ..., indexed_tokens: _Optional[int] = ..., unindexed_tokens: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., index_age_seconds: _Optional[float] = ..., dynamic_leaders: _Optional[int] = ..., frozen_tables: _Optional[_Iterable[str]] = ..., active_sessions: _Optional[int] = ..., drafts: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., confirmed_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., draft_latency_p50_us: _Optional[float] = ..., draft_latency_p99_us: _Optional[float] = ..., persistence_healthy: _Optional[bool] = ..., reported_steps: _Optional[int] = ..., mean_step_ms: _Optional[float] = ..., reused_steps: _Optional[int] = ..., draft_model_sessions: _Optional[int] = ..., draft_model_steps: _Optional[int] = ..., draft_model_hits: _Optional[int] = ..., speedup_steps: _Optional[int] = ..., estimated_speedup: _Optional[float] = ..., drafted_by_source: _Optional[_Mapping[str, int]] = ..., confirmed_by_source: _Optional[_Mapping[str, int]] = ..., repeat_hits: _Optional[int] = ...) -> None: ...
+
+class FrozenTableChunk(_message.Message):
+    __slots__ = ("namespace", "name", "leader_len", "follower_len", "source", "leaders", "fanout", "followers", "counts")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEADER_LEN_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWER_LEN_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    LEADERS_FIELD_NUMBER: _ClassVar[int]
+    FANOUT_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    name: str
+    leader_len: int
+    follower_len: int
+    source: str
+    leaders: _containers.RepeatedScalarFieldContainer[int]
+    fanout: _containers.RepeatedScalarFieldContainer[int]
+    followers: _containers.RepeatedScalarFieldContainer[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., leader_len: _Optional[int] = ..., follower_len: _Optional[int] = ..., source: _Optional[str] = ..., leaders: _Optional[_Iterable[int]] = ..., fanout: _Optional[_Iterable[int]] = ..., followers: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FrozenTableInfo(_message.Message):
+    __slots__ = ("name", "leaders", "followers", "leader_len", "follower_len", "saved_at", "source")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEADERS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_LEN_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWER_LEN_FIELD_NUMBER: _ClassVar[int]
+    SAVED_AT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    leaders: int
+    followers: int
+    leader_len: int
+    follower_len: int
+    saved_at: float
+    source: str
+    def __init__(self, name: _Optional[str] = ..., leaders: _Optional[int] = ..., followers: _Optional[int] = ..., leader_len: _Optional[int] = ..., follower_len: _Optional[int] = ..., saved_at: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
+
+class ListFrozenTablesRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
+
+class ListFrozenTablesResponse(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[FrozenTableInfo]
+    def __init__(self, tables: _Optional[_Iterable[_Union[FrozenTableInfo, _Mapping]]] = ...) -> None: ...
+
+class RemoveFrozenTableRequest(_message.Message):
+    __slots__ = ("namespace", "name")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    name: str
+    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class RemoveFrozenTableResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: _Optional[bool] = ...) -> None: ...

@@ -65,6 +65,21 @@ class DrafterStub:
                 request_serializer=drafter_dot_v1_dot_drafter__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=drafter_dot_v1_dot_drafter__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.PutFrozenTable = channel.stream_unary(
+                '/drafter.v1.Drafter/PutFrozenTable',
+                request_serializer=drafter_dot_v1_dot_drafter__pb2.FrozenTableChunk.SerializeToString,
+                response_deserializer=drafter_dot_v1_dot_drafter__pb2.FrozenTableInfo.FromString,
+                _registered_method=True)
+        self.ListFrozenTables = channel.unary_unary(
+                '/drafter.v1.Drafter/ListFrozenTables',
+                request_serializer=drafter_dot_v1_dot_drafter__pb2.ListFrozenTablesRequest.SerializeToString,
+                response_deserializer=drafter_dot_v1_dot_drafter__pb2.ListFrozenTablesResponse.FromString,
+                _registered_method=True)
+        self.RemoveFrozenTable = channel.unary_unary(
+                '/drafter.v1.Drafter/RemoveFrozenTable',
+                request_serializer=drafter_dot_v1_dot_drafter__pb2.RemoveFrozenTableRequest.SerializeToString,
+                response_deserializer=drafter_dot_v1_dot_drafter__pb2.RemoveFrozenTableResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -112,6 +127,27 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutFrozenTable(self, request_iterator, context):
+        """Stores (or replaces) a frozen n-gram table sent in chunks and starts drafting from it at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListFrozenTables(self, request, context):
+        """The frozen tables of a namespace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveFrozenTable(self, request, context):
+        """Deletes a frozen table and stops drafting from it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +180,21 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=drafter_dot_v1_dot_drafter__pb2.GetStatsRequest.FromString,
                     response_serializer=drafter_dot_v1_dot_drafter__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'PutFrozenTable': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutFrozenTable,
+                    request_deserializer=drafter_dot_v1_dot_drafter__pb2.FrozenTableChunk.FromString,
+                    response_serializer=drafter_dot_v1_dot_drafter__pb2.FrozenTableInfo.SerializeToString,
+            ),
+            'ListFrozenTables': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListFrozenTables,
+                    request_deserializer=drafter_dot_v1_dot_drafter__pb2.ListFrozenTablesRequest.FromString,
+                    response_serializer=drafter_dot_v1_dot_drafter__pb2.ListFrozenTablesResponse.SerializeToString,
+            ),
+            'RemoveFrozenTable': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveFrozenTable,
+                    request_deserializer=drafter_dot_v1_dot_drafter__pb2.RemoveFrozenTableRequest.FromString,
+                    response_serializer=drafter_dot_v1_dot_drafter__pb2.RemoveFrozenTableResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +359,87 @@ class Drafter:
             '/drafter.v1.Drafter/GetStats',
             drafter_dot_v1_dot_drafter__pb2.GetStatsRequest.SerializeToString,
             drafter_dot_v1_dot_drafter__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutFrozenTable(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/drafter.v1.Drafter/PutFrozenTable',
+            drafter_dot_v1_dot_drafter__pb2.FrozenTableChunk.SerializeToString,
+            drafter_dot_v1_dot_drafter__pb2.FrozenTableInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListFrozenTables(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/drafter.v1.Drafter/ListFrozenTables',
+            drafter_dot_v1_dot_drafter__pb2.ListFrozenTablesRequest.SerializeToString,
+            drafter_dot_v1_dot_drafter__pb2.ListFrozenTablesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveFrozenTable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/drafter.v1.Drafter/RemoveFrozenTable',
+            drafter_dot_v1_dot_drafter__pb2.RemoveFrozenTableRequest.SerializeToString,
+            drafter_dot_v1_dot_drafter__pb2.RemoveFrozenTableResponse.FromString,
             options,
             channel_credentials,
             insecure,
