@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 _DEFAULTS = ServiceConfig()
 _CORE = DrafterConfig()
 _CARD = CardSettings()
-_SOURCES = {"session", "store", "dynamic", "frozen"}
+_SOURCES = {"session", "store", "dynamic", "frozen", "repeat"}
 
 
 def _env(flag: str) -> str:
@@ -55,8 +55,8 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
     _flag(sp, "--max-message-bytes", int, _DEFAULTS.max_message_bytes, "gRPC message size limit")
     _flag(sp, "--max-sessions", int, _DEFAULTS.max_sessions, "most live sessions")
     _flag(sp, "--workers", int, _DEFAULTS.workers, "gRPC worker threads")
-    _flag(sp, "--sources", str, "session,store,dynamic,frozen", "model-free sources to draft from (comma-separated; "
-          "'none' for the draft model alone)")
+    _flag(sp, "--sources", str, "session,store,dynamic,frozen,repeat", "model-free sources to draft from "
+          "(comma-separated; 'none' for the draft model alone)")
     _flag(sp, "--draft-model", str, "", "optional draft model(s) as [NAMESPACE=]PATH[,...] (CARD query-and-correct)")
     _flag(sp, "--draft-device", str, "cpu", "device of the draft model: cpu, cuda or cuda:N")
     _flag(sp, "--draft-dtype", str, "float32", "draft model dtype: float32, bfloat16 or float16")

@@ -24,6 +24,8 @@ class DrafterConfig:
         adaptive_budget: shrink a session's budget while its drafts are rarely accepted.
         min_nodes: the smallest budget adaptation goes down to.
         use_session, use_store, use_dynamic, use_frozen: enable each source (for ablations).
+        use_repeat: offer the stored output of an earlier request with the same prompt (exact-match cache).
+        repeat_cache_tokens: most output tokens the cache of repeated prompts holds.
     """
 
     vocab_size: int = 1 << 20
@@ -46,6 +48,8 @@ class DrafterConfig:
     use_store: bool = True
     use_dynamic: bool = True
     use_frozen: bool = True
+    use_repeat: bool = True
+    repeat_cache_tokens: int = 1 << 24
 
     def __post_init__(self) -> None:
         for f in fields(self):

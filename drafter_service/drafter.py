@@ -11,6 +11,7 @@ import numpy as np
 from drafter_service.acceptance import AcceptanceModel
 from drafter_service.config import DrafterConfig
 from drafter_service.errors import AlreadyExists, InvalidArgument, NotFound
+from drafter_service.repeat_cache import RepeatCache
 from drafter_service.session import DraftSession
 from drafter_service.tree import EMPTY_TREE, DraftTree, merge_trees
 from drafter_service.tree_builder import BuildLimits, RowsSource, TableSource, build_tree
@@ -56,6 +57,7 @@ class Drafter:
         self.dynamic = LRUNGramTable(cfg.leader_len, cfg.follower_len, cfg.leader_capacity, cfg.follower_capacity)
         self.frozen: dict[str, FrozenNGramTable] = {}
         self.model = AcceptanceModel()
+        self.repeats = RepeatCache(cfg.repeat_cache_tokens)
         self.sessions: dict[str, DraftSession] = {}
         self._table_lock = threading.Lock()
         self._sessions_lock = threading.Lock()
@@ -115,6 +117,8 @@ class Drafter:
                 raise AlreadyExists(f"session {session_id!r} already exists")
             sess = DraftSession(self, session_id, ids, max_nodes or self.config.max_nodes)
             self.sessions[session_id] = sess
+        if self.config.use_repeat:
+            sess.repeat = self.repeats.lookup(ids)
         if self.draft_model is not None and ids.size:
             try:
                 sess.card = self.draft_model.open(ids, name=f"card-{session_id}")
@@ -130,6 +134,8 @@ class Drafter:
         sess = self.session(session_id)
         ids = self.tokens(accepted, "accepted")
         before = len(sess)
+        if sess.repeat is not None:
+            self._follow_repeat(sess, ids)
         hit = sess.extend(ids)
         if sess.card is not None and ids.size:
             model_hit = sess.card.correct(ids)
@@ -140,13 +146,30 @@ class Drafter:
                 self.dynamic.update(sess.tokens[max(0, before - 8):].tolist(), new_from=min(before, 8))
         return hit
 
+    def _follow_repeat(self, sess: DraftSession, ids: np.ndarray) -> None:
+        """Score the last repeat branch against ``ids`` and keep following it while the output matches."""
+        rep, pos = sess.repeat, sess.repeat_pos
+        expect = rep[pos:pos + ids.size]
+        k = min(expect.size, ids.size)
+        diff = np.flatnonzero(expect[:k] != ids[:k])
+        matched = int(diff[0]) if diff.size else k
+        if sess.repeat_offered:
+            offered = min(sess.repeat_offered, ids.size)
+            self.repeats.record(min(matched, offered), matched < offered)
+            sess.repeat_offered = 0
+        if matched == ids.size:
+            sess.repeat_pos = pos + matched
+        else:  # the output left the stored one (or outgrew it)
+            sess.repeat = None
+
     def propose(self, session_id: str, max_nodes: int = 0) -> DraftTree:
         """Draft a tree for the session's current sequence (an empty tree when nothing is known)."""
         if max_nodes < 0:
             raise InvalidArgument(f"max_nodes must be >= 0, got {max_nodes}")
         sess = self.session(session_id)
         cfg = self.config
-        budget = sess.budget(max_nodes)
+        repeating = sess.repeat is not None
+        budget = (max_nodes or sess.max_nodes) if repeating else sess.budget(max_nodes)
         tokens = sess.tokens
         if budget == 0 or tokens.size == 0:
             return EMPTY_TREE
@@ -171,6 +194,11 @@ class Drafter:
         limits = BuildLimits(budget, cfg.max_depth, cfg.min_prob, cfg.branch)
         tree, evidence = build_tree(tokens[-cfg.leader_len:].tolist(), rows, tables, self.model, limits)
         served = merge_trees(tree, model_tree, budget) if len(model_tree) else tree
+        if repeating:
+            branch = self.repeats.branch(sess.repeat, sess.repeat_pos, budget)
+            if len(branch):
+                served = merge_trees(branch, served, budget)
+                sess.repeat_offered = _path_depth(served, branch.token_ids)
         sess.remember(tree, evidence, served)
         return served
 
@@ -192,6 +220,8 @@ class Drafter:
             self.sessions.pop(session_id, None)
         self._close_card(sess)
         self.store.append(sess.tokens)
+        if self.config.use_repeat:
+            self.repeats.remember(sess.tokens[:sess.prompt_len], sess.tokens[sess.prompt_len:])
         return sess
 
     def _close_card(self, sess: DraftSession) -> None:
@@ -217,12 +247,17 @@ class Drafter:
             raise InvalidArgument("request has no tokens")
         return doc
 
-    def add_document(self, doc: np.ndarray, learn: bool = True) -> None:
-        """Store a validated document; ``learn`` also feeds it to the dynamic table."""
+    def add_document(self, doc: np.ndarray, learn: bool = True, prompt_len: int | None = None) -> None:
+        """Store a validated document; ``learn`` also feeds it to the dynamic table.
+
+        ``prompt_len`` (when known) splits it into prompt and output for the cache of repeated prompts.
+        """
         if learn and self.config.use_dynamic:
             with self._table_lock:
                 self.dynamic.update(doc.tolist())
         self.store.append(doc)
+        if prompt_len is not None and self.config.use_repeat:
+            self.repeats.remember(doc[:prompt_len], doc[prompt_len:])
 
     def ingest(self, prompt: Sequence[int] | np.ndarray, output: Sequence[int] | np.ndarray) -> None:
         """Add a completed request that had no session (from an engine or a log)."""
@@ -253,5 +288,18 @@ class Drafter:
     def check_invariants(self) -> None:
         """Raise AssertionError when the store or the tables are inconsistent."""
         self.store.check_invariants()
+        self.repeats.check_invariants()
         with self._table_lock:
             self.dynamic.check_invariants()
+
+
+def _path_depth(tree: DraftTree, path: Sequence[int]) -> int:
+    """How many leading tokens of ``path`` the tree holds as one branch from its root."""
+    node, depth = -1, 0
+    children = tree.children()
+    for tok in path:
+        node = children.get(node, {}).get(tok, -2)
+        if node == -2:
+            break
+        depth += 1
+    return depth

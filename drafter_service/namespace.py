@@ -199,7 +199,7 @@ class Namespace:
             "draft_latency_p50_us": c.percentile_us(50), "draft_latency_p99_us": c.percentile_us(99),
             "persistence_healthy": healthy, "reported_steps": c.reported_steps,
             "mean_step_ms": 1e3 * c.step_seconds_total / c.reported_steps if c.reported_steps else 0.0,
-            "reused_steps": c.reused_steps, **self._model_stats(),
+            "reused_steps": c.reused_steps, "repeat_hits": d.repeats.hits, **self._model_stats(),
         }
 
     def _model_stats(self) -> dict[str, object]:

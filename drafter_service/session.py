@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -14,6 +14,24 @@ from store.token_store import EMPTY, Continuations
 if TYPE_CHECKING:
     from drafter_service.card import CardSession
     from drafter_service.drafter import Drafter
+
+
+def path_sources(tree: DraftTree, tokens: Sequence[int], n: int) -> tuple[str, ...]:
+    """Source names of the first ``n`` nodes on the path that ``tokens`` follows down from the root.
+
+    One pass over the nodes (every parent comes before its children); "" for a node without a source name.
+    """
+    out: list[str] = []
+    if n <= 0:
+        return ()
+    sources, node, want = tree.sources, -1, tokens[0]
+    for i, (tok, parent) in enumerate(zip(tree.token_ids, tree.parents)):
+        if parent == node and tok == want:
+            out.append(sources[i] if sources else "")
+            if len(out) == n:
+                break
+            node, want = i, tokens[len(out)]
+    return tuple(out)
 
 
 class DraftSession:
@@ -35,10 +53,14 @@ class DraftSession:
         self._last_evidence: Evidence | None = None
         self._last_served: DraftTree | None = None  # the last draft as served, when it differs
         self.card: "CardSession | None" = None  # the draft model's cache, when the namespace has one
+        self.repeat: np.ndarray | None = None  # (m,) int32 stored output of the same prompt, while followed
+        self.repeat_pos = 0  # output tokens so far, all equal to the start of ``repeat``
+        self.repeat_offered = 0  # depth of the repeat branch in the last draft served
         self._ema_accepted = 1.0  # accepted draft tokens per step, exponentially averaged
         self.steps = 0
         self.drafted = 0
         self.accepted = 0
+        self.last_confirmed_sources: tuple[str, ...] = ()  # source of each node the last extend confirmed
 
     def __len__(self) -> int:
         return self._len
@@ -82,14 +104,18 @@ class DraftSession:
     def _score_last_draft(self, accepted: np.ndarray) -> int:
         tree, evidence, served = self._last_tree, self._last_evidence, self._last_served
         self._last_tree, self._last_evidence, self._last_served = EMPTY_TREE, None, None
+        self.last_confirmed_sources = ()
         n_acc = 0
+        toks = accepted.tolist()
         if len(tree) and evidence is not None:
-            n_acc = score_draft(tree, evidence, accepted.tolist(), self.drafter.model)
+            n_acc = score_draft(tree, evidence, toks, self.drafter.model)
         if served is not None and len(served):
             tree = served
-            n_acc = accept_greedy(served, accepted.tolist())[0]
+            n_acc = accept_greedy(served, toks)[0]
         if not len(tree):
             return 0
+        if n_acc:
+            self.last_confirmed_sources = path_sources(tree, toks, n_acc)
         self.steps += 1
         self.drafted += len(tree)
         self.accepted += n_acc

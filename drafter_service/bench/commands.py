@@ -38,6 +38,8 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("--budget", type=int, action="append", default=[], help="tree budget in nodes (repeatable)")
     rp.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated peers among {', '.join(PEERS)}")
     rp.add_argument("--json", help="also write the results as JSON to this file")
+    rp.add_argument("--repeat", action="store_true", help="then replay every request a second time (same prompts, "
+                    "same outputs) on the same drafters, reported as data set '<name>-repeat'")
     rp.add_argument("--frozen-corpus", help="also run drafter with a frozen table built from the outputs of this "
                     "data set or request file (requests --frozen-skip.. are used, to stay apart from the replay)")
     rp.add_argument("--frozen-skip", type=int, default=0, help="corpus requests skipped first")
@@ -100,9 +102,10 @@ def run_replay(args: argparse.Namespace) -> int:
                 drafters += _card_drafters(args, reqs)
             drafters += [d for d in map(_make_peer, peers) if d is not None]
             for drafter in drafters:
-                with tqdm(total=len(reqs), desc=f"{name} b={budget} {drafter.name}", unit="req",
-                          file=sys.stderr, leave=False) as bar:
-                    results.append(replay(drafter, reqs, budget, name, progress=lambda _: bar.update()))
+                for label in (name, f"{name}-repeat") if args.repeat else (name,):
+                    with tqdm(total=len(reqs), desc=f"{label} b={budget} {drafter.name}", unit="req",
+                              file=sys.stderr, leave=False) as bar:
+                        results.append(replay(drafter, reqs, budget, label, progress=lambda _: bar.update()))
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:
