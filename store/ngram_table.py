@@ -1,4 +1,4 @@
-"""Cacheback n-gram tables: leader tokens -> recent follower n-grams, with LRU eviction; and frozen tables."""
+"""Cacheback n-gram tables: leader tokens -> recent follower n-grams, with LRU eviction; frozen ones re-exported."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Iterable, Sequence
 
-import numpy as np
+from store.frozen_table import FrozenNGramTable  # noqa: F401  (re-exported: frozen tables live there)
 
 logger = logging.getLogger(__name__)
 
@@ -151,89 +151,3 @@ else:
 """The dynamic table in use: the native ``store._lru.LRUTable`` (same API and results, leaders and followers of
 at most 8 tokens, token ids in [0, 2**31)), or ``PyLRUNGramTable`` when it is not built or
 ``DRAFTER_PURE_PYTHON=1``."""
-
-
-def _count_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct rows of (n, span) non-negative int64 ``rows`` in lexicographic order, with their counts.
-
-    Rows are packed into one uint64 each when the ids fit (big-endian, so the packed order is the row
-    order), which sorts far faster than ``np.unique(axis=0)``.
-    """
-    span = rows.shape[1]
-    bits = max(1, int(rows.max(initial=0)).bit_length())
-    if bits * span > 64:
-        return np.unique(rows, axis=0, return_counts=True)
-    packed = np.zeros(rows.shape[0], dtype=np.uint64)
-    for j in range(span):
-        packed = (packed << np.uint64(bits)) | rows[:, j].astype(np.uint64)
-    keys, counts = np.unique(packed, return_counts=True)
-    grams = np.empty((keys.size, span), dtype=np.int64)
-    mask = np.uint64((1 << bits) - 1)
-    for j in range(span - 1, -1, -1):
-        grams[:, j] = (keys & mask).astype(np.int64)
-        keys = keys >> np.uint64(bits)
-    return grams, counts
-
-
-class FrozenNGramTable:
-    """A read-only table built offline: the most frequent leaders, each with its most frequent followers."""
-
-    def __init__(self, leader_len: int, follower_len: int,
-                 entries: dict[Follower, list[tuple[Follower, int]]]) -> None:
-        """Wrap prepared entries (leader -> followers with counts, most frequent first)."""
-        self.leader_len = int(leader_len)
-        self.follower_len = int(follower_len)
-        self._entries = entries
-
-    @classmethod
-    def build(cls, sequences: Iterable[Sequence[int] | np.ndarray], leader_len: int = 1, follower_len: int = 3,
-              leader_capacity: int = 1 << 20, follower_capacity: int = 128) -> "FrozenNGramTable":
-        """Count every leader-follower pair in ``sequences`` and keep the most frequent ones.
-
-        Leaders are ranked by how often they occur as leaders of a full pair; ties go to the smaller
-        token tuple, so the result does not depend on dictionary order.
-        """
-        span = leader_len + follower_len
-        chunks = []
-        for seq in sequences:
-            arr = np.asarray(seq, dtype=np.int64).ravel()
-            if arr.size >= span:
-                chunks.append(np.lib.stride_tricks.sliding_window_view(arr, span))
-        if not chunks:
-            return cls(leader_len, follower_len, {})
-        grams, counts = _count_rows(np.concatenate(chunks))
-        leaders = grams[:, :leader_len]
-        starts = np.flatnonzero(np.r_[True, (leaders[1:] != leaders[:-1]).any(axis=1)])
-        totals = np.add.reduceat(counts, starts)
-        order = sorted(range(starts.size), key=lambda i: (-int(totals[i]), i))[:leader_capacity]
-        stops = np.r_[starts[1:], grams.shape[0]]
-        entries: dict[Follower, list[tuple[Follower, int]]] = {}
-        for i in order:
-            s, e = int(starts[i]), int(stops[i])
-            rank = sorted(range(s, e), key=lambda j: (-int(counts[j]), j))[:follower_capacity]
-            entries[tuple(int(t) for t in leaders[s])] = [
-                (tuple(int(t) for t in grams[j, leader_len:]), int(counts[j])) for j in rank]
-        return cls(leader_len, follower_len, entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def query(self, leader: Sequence[int], limit: int | None = None) -> list[tuple[Follower, int]]:
-        """Followers of ``leader`` with their corpus counts, most frequent first (empty if unknown)."""
-        found = self._entries.get(tuple(leader), [])
-        return found if limit is None else found[:limit]
-
-    def items(self) -> Iterable[tuple[Follower, list[tuple[Follower, int]]]]:
-        """Every leader with its followers, in the table's order."""
-        return self._entries.items()
-
-    def check_invariants(self, leader_capacity: int | None = None, follower_capacity: int | None = None) -> None:
-        """Raise AssertionError when shapes, ordering or the optional capacities are violated."""
-        if leader_capacity is not None:
-            assert len(self._entries) <= leader_capacity
-        for lead, followers in self._entries.items():
-            assert len(lead) == self.leader_len
-            assert followers and (follower_capacity is None or len(followers) <= follower_capacity)
-            counts = [c for _, c in followers]
-            assert counts == sorted(counts, reverse=True), f"followers of {lead} not most frequent first"
-            assert all(len(f) == self.follower_len for f, _ in followers)

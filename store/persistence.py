@@ -2,50 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import re
-import time
-import uuid
-from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import redis
 
-from store.table_codec import Items, decode_items, encode_items
+from store.metric_log import METRICS_HISTORY, MetricLog
+from store.redis_common import (FORMAT_VERSION, NAME_PATTERN, PersistenceError, PersistenceUnavailable,
+                                redis_errors as _redis_errors, validate_name)
+from store.request_log import APPEND_LUA, SEEN_SUFFIX, RequestRecord, duplicate_keys, record_from_entry
+from store.snapshots import SnapshotStore
+
+__all__ = ["FORMAT_VERSION", "METRICS_HISTORY", "NAME_PATTERN", "PersistenceError", "PersistenceUnavailable",
+           "RedisPersistence", "RequestRecord", "validate_name"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-"""Layout version of every key below; part of each key name and recorded per namespace."""
-
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-"""Namespaces and frozen-table names."""
-
 _FORMATS_KEY = "drafter:formats"  # unversioned hash: namespace -> layout version that owns it
-_CHUNK_BYTES = 64 << 20  # largest blob stored in one hash field
-_TEMP_TTL_S = 3600  # a snapshot abandoned half-written expires on its own
-
-# Append a batch of requests. Each stream id is "<end>-0" where <end> counts every slot a ring buffer
-# gives the requests so far (tokens plus one separator each), so ids increase and say where each request
-# ends; KEYS: stream, meta; ARGV: (tokens, has id "0"/"1", id) per request.
-_APPEND_LUA = """
-local pos = tonumber(redis.call('HGET', KEYS[2], 'end') or '0')
-local ids = {}
-for i = 1, #ARGV, 3 do
-  pos = pos + string.len(ARGV[i]) / 4 + 1
-  local id = string.format('%d-0', pos)
-  if ARGV[i + 1] == '1' then
-    redis.call('XADD', KEYS[1], id, 't', ARGV[i], 'r', ARGV[i + 2])
-  else
-    redis.call('XADD', KEYS[1], id, 't', ARGV[i])
-  end
-  ids[#ids + 1] = id
-end
-redis.call('HSET', KEYS[2], 'end', string.format('%d', pos))
-return ids
-"""
 
 # Drop every request that ends at or before slot end - keep; KEYS: stream, meta; ARGV: keep.
 _TRIM_LUA = """
@@ -55,45 +29,28 @@ return redis.call('XTRIM', KEYS[1], 'MINID', string.format('%d-0', min_end))
 """
 
 
-class PersistenceError(RuntimeError):
-    """Stored data cannot be used as asked (other layout version or vocabulary) or a write is not durable."""
 
-
-class PersistenceUnavailable(PersistenceError):
-    """The Redis server cannot be reached or failed the command."""
-
-
-def validate_name(name: str, what: str = "name") -> str:
-    """Return ``name`` when it matches ``[A-Za-z0-9_.-]{1,64}``; raise ValueError otherwise."""
-    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise ValueError(f"{what} must match [A-Za-z0-9_.-]{{1,64}}, got {name!r}")
-    return name
-
-
-@contextmanager
-def _redis_errors(action: str) -> Iterator[None]:
-    try:
-        yield
-    except redis.RedisError as exc:
-        raise PersistenceUnavailable(f"Redis failed to {action}: {exc}") from exc
-
-
-class RedisPersistence:
+class RedisPersistence(SnapshotStore, MetricLog):
     """Everything one namespace keeps in Redis, under keys ``drafter:v1:{<namespace>}:...``.
 
     The braces make every key of a namespace hash to one cluster slot, so the scripts and transactions
     below work on a cluster too. Keys:
         meta       hash: format, vocab_size, end (ring slots given to all requests ever appended)
-        requests   stream of completed requests: t = little-endian int32 tokens, r = request id (optional)
+        requests   stream of completed requests: t = little-endian int32 tokens, r = request id (optional),
+                   p = prompt length (optional)
+        seen       set of the duplicate keys of every request ever appended (see ``append_requests``)
         table      hash of blobs: the dynamic n-gram table snapshot
         frozen:<name>, frozen   hashes of blobs per frozen table; set of their names
         model      hash of blobs: acceptance statistics
+        metrics    stream of metric points (p = JSON object), ids "<time ms>-<seq>", trimmed to about
+                   ``metrics_history`` entries
     Snapshots are written under a temporary key and renamed, so readers see the old or the new one whole.
     Token ids are validated before anything is written, so a rejected call changes nothing.
     """
 
     def __init__(self, client_or_url: "redis.Redis | str", namespace: str, vocab_size: int | None = None,
-                 durable: bool = True, fsync_timeout_ms: int = 5000) -> None:
+                 durable: bool = True, fsync_timeout_ms: int = 5000,
+                 metrics_history: int = METRICS_HISTORY) -> None:
         """Connect and check (or record) the namespace's layout version and vocabulary size.
 
         Args:
@@ -102,6 +59,7 @@ class RedisPersistence:
             vocab_size: token ids must be below it; recorded at first use and checked after (None: neither).
             durable: require the server to fsync its append-only file before an append returns.
             fsync_timeout_ms: how long an append waits for that fsync.
+            metrics_history: metric points kept (approximately: trimmed a little above it).
 
         Raises:
             PersistenceError: stored data of another layout version or vocabulary size, or ``durable``
@@ -119,12 +77,17 @@ class RedisPersistence:
         self.vocab_size = None if vocab_size is None else int(vocab_size)
         self.durable = bool(durable)
         self.fsync_timeout_ms = int(fsync_timeout_ms)
+        if metrics_history < 1:
+            raise ValueError(f"metrics_history must be at least 1, got {metrics_history}")
+        self.metrics_history = int(metrics_history)
         prefix = f"drafter:v{FORMAT_VERSION}:{{{namespace}}}:"
         self.prefix = prefix
         self.meta_key, self.stream_key = prefix + "meta", prefix + "requests"
         self.table_key, self.model_key = prefix + "table", prefix + "model"
         self.frozen_set_key = prefix + "frozen"
-        self._append = self.client.register_script(_APPEND_LUA)
+        self.metrics_key = prefix + "metrics"
+        self.seen_key = prefix + SEEN_SUFFIX
+        self._append = self.client.register_script(APPEND_LUA)
         self._trim = self.client.register_script(_TRIM_LUA)
         with _redis_errors("open the namespace"):
             self._check_format()
@@ -180,41 +143,62 @@ class RedisPersistence:
                 raise ValueError(f"token ids must be in [0, {limit}), got {lo if lo < 0 else hi}")
         return arr.astype("<i4", copy=False).tobytes()
 
-    def append_requests(self, docs: Sequence[tuple[np.ndarray, str | None]]) -> list[str]:
+    def append_requests(self, docs: Sequence[tuple[np.ndarray, str | None]],
+                        prompt_lens: Sequence[int | None] | None = None,
+                        skip_duplicates: bool = False) -> list[str | None]:
         """Append completed requests to the log in one atomic step and return once they are durable.
+
+        Duplicates are found in the same step: a request is one when its request id (if not empty) or its
+        content (a 16-byte BLAKE2b digest of its prompt length and tokens) is in the namespace's ``seen`` set,
+        which holds both keys of every request ever appended, by sessions and ingests alike (duplicates
+        inside ``docs`` included), so a request is recognised however long ago it was stored. Unlike the log,
+        the set is never trimmed: it costs 40 to 70 bytes per request ever stored without an id and about
+        twice that with one (valkey 9.1 with 20-character ids: 37 and 75 bytes per request by MEMORY USAGE,
+        70 bytes per id-less request by used_memory), about 0.5 to 1.5 GB after 10 million requests.
 
         Args:
             docs: (tokens (n,) int array of prompt + output, request id or None) per request.
+            prompt_lens: how many tokens of each request are its prompt (None: not recorded).
+            skip_duplicates: leave duplicates out instead of appending them again.
 
         Returns:
-            The requests' stream ids, in order.
+            The requests' stream ids, in order; None for each duplicate left out.
 
         Raises:
-            ValueError: a request is not a 1-D array of valid token ids (nothing is written).
+            ValueError: a request is not a 1-D array of valid token ids, or a prompt length is outside
+                [0, n] (nothing is written).
             PersistenceError: the server did not confirm the fsync in time.
         """
-        args: list[bytes | str] = []
-        for tokens, request_id in docs:
-            args += [self._tokens(tokens), "0" if request_id is None else "1", request_id or ""]
-        if not args:
+        if prompt_lens is not None and len(prompt_lens) != len(docs):
+            raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(docs)} requests")
+        args: list[bytes | str] = ["1" if skip_duplicates else "0"]
+        for i, (tokens, request_id) in enumerate(docs):
+            blob = self._tokens(tokens)
+            plen = None if prompt_lens is None or prompt_lens[i] is None else int(prompt_lens[i])
+            if plen is not None and not 0 <= plen <= len(blob) // 4:
+                raise ValueError(f"request {i}: prompt length {plen} outside [0, {len(blob) // 4}]")
+            id_key, hash_key = duplicate_keys(blob, plen, request_id)
+            args += [blob, "0" if request_id is None else "1", request_id or "", "" if plen is None else str(plen),
+                     id_key, hash_key]
+        if not docs:
             return []
         with _redis_errors("append requests"):
             replies = self._append_and_wait(args)
         if self._wait_aof and int(replies[1][0]) < 1:
             raise PersistenceError(f"the server did not fsync {len(docs)} appended requests within "
                                    f"{self.fsync_timeout_ms} ms; they may be lost on a crash")
-        return [i.decode() for i in replies[0]]
+        return [i.decode() or None for i in replies[0]]
 
     def _append_and_wait(self, args: list) -> list:
         """Run the append script and WAITAOF in one round trip (loading the script first if the server lost it)."""
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
-            pipe.evalsha(self._append.sha, 2, self.stream_key, self.meta_key, *args)
+            pipe.evalsha(self._append.sha, 3, self.stream_key, self.meta_key, self.seen_key, *args)
             if self._wait_aof:
                 pipe.execute_command("WAITAOF", 1, 0, self.fsync_timeout_ms)
             replies = pipe.execute(raise_on_error=False)
             if attempt == 0 and isinstance(replies[0], redis.exceptions.NoScriptError):
-                self.client.script_load(_APPEND_LUA)  # nothing was written
+                self.client.script_load(APPEND_LUA)  # nothing was written
                 continue
             for reply in replies:
                 if isinstance(reply, Exception):
@@ -236,6 +220,18 @@ class RedisPersistence:
                 rid = fields.get(b"r")
                 yield (sid.decode(), np.frombuffer(fields[b"t"], dtype="<i4").astype(np.int32),
                        None if rid is None else rid.decode())
+            if len(entries) < batch:
+                return
+            cursor = entries[-1][0].decode()
+
+    def iter_request_records(self, after: str = "0-0", batch: int = 1000) -> Iterator[RequestRecord]:
+        """Stream the logged requests after stream id ``after``, oldest first, with their prompt lengths."""
+        cursor = after
+        while True:
+            with _redis_errors("read requests"):
+                entries = self.client.xrange(self.stream_key, f"({cursor}", "+", count=batch)
+            for sid, fields in entries:
+                yield record_from_entry(sid, fields)
             if len(entries) < batch:
                 return
             cursor = entries[-1][0].decode()
@@ -265,150 +261,6 @@ class RedisPersistence:
             raise ValueError(f"keep_tokens must be non-negative, got {keep_tokens}")
         with _redis_errors("trim requests"):
             return int(self._trim(keys=[self.stream_key, self.meta_key], args=[int(keep_tokens)]))
-
-    # -- blobs -----------------------------------------------------------------------------------------------
-
-    def _write_blobs(self, key: str, header: dict, arrays: dict[str, np.ndarray],
-                     extra: Callable[["redis.client.Pipeline"], object] | None = None) -> None:
-        """Write ``arrays`` (chunked) and ``header`` to a temporary key, then rename it onto ``key``.
-
-        ``extra`` adds commands to the transaction that renames, so they take effect together.
-        """
-        temp = f"{key}:tmp:{uuid.uuid4().hex}"
-        header = dict(header, arrays={})
-        with _redis_errors(f"write {key}"):
-            try:
-                pipe = self.client.pipeline(transaction=False)
-                for name, arr in arrays.items():
-                    data = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False)
-                    raw = memoryview(data.tobytes())
-                    chunks = max(1, -(-len(raw) // _CHUNK_BYTES))
-                    header["arrays"][name] = [data.dtype.str, list(data.shape), chunks]
-                    for c in range(chunks):
-                        pipe.hset(temp, f"{name}.{c}", raw[c * _CHUNK_BYTES:(c + 1) * _CHUNK_BYTES].tobytes())
-                        pipe.expire(temp, _TEMP_TTL_S)
-                pipe.hset(temp, "header", json.dumps(header))
-                pipe.execute()
-                tx = self.client.pipeline(transaction=True)
-                tx.rename(temp, key)
-                tx.persist(key)
-                if extra is not None:
-                    extra(tx)
-                tx.execute()
-            except BaseException:
-                self._discard(temp)
-                raise
-
-    def _discard(self, temp: str) -> None:
-        try:
-            self.client.delete(temp)
-        except redis.RedisError:  # it expires on its own
-            logger.warning("could not delete the abandoned snapshot key %s", temp)
-
-    def _read_blobs(self, key: str) -> tuple[dict, dict[str, np.ndarray]] | None:
-        with _redis_errors(f"read {key}"):
-            fields = self.client.hgetall(key)
-        if not fields:
-            return None
-        try:
-            header = json.loads(fields[b"header"])
-            if header.get("format") != FORMAT_VERSION:
-                raise PersistenceError(f"{key} has format {header.get('format')!r}; expected {FORMAT_VERSION}")
-            arrays = {}
-            for name, (dtype, shape, chunks) in header["arrays"].items():
-                raw = b"".join(fields[f"{name}.{c}".encode()] for c in range(chunks))
-                native = np.dtype(dtype).newbyteorder("=")
-                arrays[name] = np.frombuffer(raw, dtype=dtype).astype(native).reshape(shape)
-        except (KeyError, ValueError, TypeError) as exc:
-            raise PersistenceError(f"{key} is not a readable snapshot: {exc!r}") from exc
-        return header, arrays
-
-    # -- n-gram tables ---------------------------------------------------------------------------------------
-
-    def save_table(self, items: Items, last_request_id: str | None = None) -> dict:
-        """Replace the dynamic table snapshot atomically.
-
-        Args:
-            items: what ``LRUNGramTable.items()`` yields: leaders least recent first, each with its
-                (follower, count) pairs least recent first.
-            last_request_id: optional stream id of the newest request the table has learnt from.
-
-        Returns:
-            The snapshot's header (sizes, lengths, time).
-        """
-        header, arrays = encode_items(items, self.vocab_size if self.vocab_size is not None else 1 << 31)
-        header.update(format=FORMAT_VERSION, kind="table", saved_at=time.time(), last_request_id=last_request_id)
-        self._write_blobs(self.table_key, header, arrays)
-        return header
-
-    def load_table(self) -> list[tuple[tuple[int, ...], list[tuple[tuple[int, ...], int]]]]:
-        """The dynamic table snapshot in ``items()`` order, ready for ``load``; [] when none was saved."""
-        found = self.load_table_snapshot()
-        return [] if found is None else found[0]
-
-    def load_table_snapshot(self) -> tuple[list, dict] | None:
-        """The dynamic table snapshot's items and header (with ``last_request_id``) read in one step, or None."""
-        found = self._read_blobs(self.table_key)
-        return None if found is None else (decode_items(found[1]), found[0])
-
-    def table_info(self) -> dict | None:
-        """Header of the dynamic table snapshot (sizes, saved_at, last_request_id), or None."""
-        with _redis_errors("read the table header"):
-            raw = self.client.hget(self.table_key, "header")
-        return None if raw is None else json.loads(raw)
-
-    def _frozen_key(self, name: str) -> str:
-        return f"{self.prefix}frozen:{validate_name(name, 'frozen table name')}"
-
-    def save_frozen(self, name: str, entries: "Items | dict") -> None:
-        """Store (or replace) a frozen table: leader -> [(follower, count), ...] in the table's order."""
-        key = self._frozen_key(name)
-        header, arrays = encode_items(entries.items() if isinstance(entries, dict) else entries,
-                                      self.vocab_size if self.vocab_size is not None else 1 << 31)
-        header.update(format=FORMAT_VERSION, kind="frozen", name=name, saved_at=time.time())
-        self._write_blobs(key, header, arrays, extra=lambda tx: tx.sadd(self.frozen_set_key, name))
-
-    def load_frozen(self, name: str) -> dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]]:
-        """The entries of frozen table ``name``, in their stored order.
-
-        Raises:
-            KeyError: no frozen table of that name.
-        """
-        found = self._read_blobs(self._frozen_key(name))
-        if found is None:
-            raise KeyError(f"no frozen table {name!r} in namespace {self.namespace!r}")
-        return dict(decode_items(found[1]))
-
-    def list_frozen(self) -> list[str]:
-        """Names of the stored frozen tables, sorted."""
-        with _redis_errors("list frozen tables"):
-            return sorted(n.decode() for n in self.client.smembers(self.frozen_set_key))
-
-    def delete_frozen(self, name: str) -> bool:
-        """Delete frozen table ``name``; False when there was none."""
-        key = self._frozen_key(name)
-        with _redis_errors(f"delete {key}"):
-            tx = self.client.pipeline(transaction=True)
-            tx.delete(key)
-            tx.srem(self.frozen_set_key, name)
-            return bool(tx.execute()[0])
-
-    # -- acceptance statistics -------------------------------------------------------------------------------
-
-    def save_model(self, stats: dict[int, tuple[float, float]]) -> None:
-        """Replace the acceptance statistics (``AcceptanceModel.snapshot()``: key -> (accepted, trials))."""
-        keys = np.array(sorted(stats), dtype=np.int64)  # (K,) evidence keys
-        values = np.array([stats[k] for k in keys.tolist()], dtype=np.float64).reshape(len(keys), 2)  # (K, 2)
-        self._write_blobs(self.model_key, {"format": FORMAT_VERSION, "kind": "model", "saved_at": time.time()},
-                          {"keys": keys, "values": values})
-
-    def load_model(self) -> dict[int, tuple[float, float]]:
-        """The saved acceptance statistics ({} when none)."""
-        found = self._read_blobs(self.model_key)
-        if found is None:
-            return {}
-        arrays = found[1]
-        return {k: (a, t) for k, (a, t) in zip(arrays["keys"].tolist(), arrays["values"].tolist())}
 
     # -- health ----------------------------------------------------------------------------------------------
 

@@ -1,0 +1,39 @@
+"""What every part of the Redis layout shares: its version, name rules and errors."""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from typing import Iterator
+
+import redis
+
+FORMAT_VERSION = 1
+"""Layout version of every key; part of each key name and recorded per namespace."""
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""Namespaces and frozen-table names."""
+
+
+class PersistenceError(RuntimeError):
+    """Stored data cannot be used as asked (other layout version or vocabulary) or a write is not durable."""
+
+
+class PersistenceUnavailable(PersistenceError):
+    """The Redis server cannot be reached or failed the command."""
+
+
+def validate_name(name: str, what: str = "name") -> str:
+    """Return ``name`` when it matches ``[A-Za-z0-9_.-]{1,64}``; raise ValueError otherwise."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise ValueError(f"{what} must match [A-Za-z0-9_.-]{{1,64}}, got {name!r}")
+    return name
+
+
+@contextmanager
+def redis_errors(action: str) -> Iterator[None]:
+    """Turn Redis client errors raised inside into PersistenceUnavailable naming ``action``."""
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise PersistenceUnavailable(f"Redis failed to {action}: {exc}") from exc

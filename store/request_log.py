@@ -1,0 +1,122 @@
+"""The request log's entry format: records, duplicate keys and the atomic append-with-deduplication script."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+SEEN_SUFFIX = "seen"
+"""Key suffix (after a namespace's prefix) of the set of duplicate keys of every request ever appended."""
+
+# Append a batch of requests. Each stream id is "<end>-0" where <end> counts every slot a ring buffer gives
+# the requests so far (tokens plus one separator each), so ids increase and say where each request ends.
+# A request is a duplicate when its id key or its content key is in the seen set; with skip "1" duplicates
+# are not appended (their reply is ""). Every appended request adds its keys to the set, so duplicates
+# inside one batch are found too.
+# KEYS: stream, meta, seen; ARGV: skip "0"/"1", then per request: tokens, has id "0"/"1", id,
+# prompt length ("" when unknown), id key ("" when none), content key.
+APPEND_LUA = """
+local skip = ARGV[1] == '1'
+local pos = tonumber(redis.call('HGET', KEYS[2], 'end') or '0')
+local ids = {}
+for i = 2, #ARGV, 6 do
+  local id_key, hash_key = ARGV[i + 4], ARGV[i + 5]
+  local seen = false
+  if skip then
+    seen = redis.call('SISMEMBER', KEYS[3], hash_key) == 1 or
+           (id_key ~= '' and redis.call('SISMEMBER', KEYS[3], id_key) == 1)
+  end
+  if seen then
+    ids[#ids + 1] = ''
+  else
+    pos = pos + string.len(ARGV[i]) / 4 + 1
+    local id = string.format('%d-0', pos)
+    local fields = {'t', ARGV[i]}
+    if ARGV[i + 1] == '1' then
+      fields[#fields + 1] = 'r'
+      fields[#fields + 1] = ARGV[i + 2]
+    end
+    if ARGV[i + 3] ~= '' then
+      fields[#fields + 1] = 'p'
+      fields[#fields + 1] = ARGV[i + 3]
+    end
+    redis.call('XADD', KEYS[1], id, unpack(fields))
+    if id_key ~= '' then
+      redis.call('SADD', KEYS[3], id_key, hash_key)
+    else
+      redis.call('SADD', KEYS[3], hash_key)
+    end
+    ids[#ids + 1] = id
+  end
+end
+redis.call('HSET', KEYS[2], 'end', string.format('%d', pos))
+return ids
+"""
+
+_PROMPT_LEN = struct.Struct("<q")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One logged request.
+
+    Attributes:
+        stream_id: its stream id, "<end>-0".
+        tokens: (n,) int32 prompt + output.
+        request_id: the id it was stored with, or None.
+        prompt_len: how many of ``tokens`` are the prompt, or None for entries written without it.
+    """
+
+    stream_id: str
+    tokens: np.ndarray
+    request_id: str | None
+    prompt_len: int | None
+
+
+def content_digest(blob: bytes, prompt_len: int | None) -> bytes:
+    """16-byte BLAKE2b digest of a request's prompt length (-1 when unknown) and little-endian int32 tokens."""
+    h = hashlib.blake2b(_PROMPT_LEN.pack(-1 if prompt_len is None else int(prompt_len)), digest_size=16)
+    h.update(blob)
+    return h.digest()
+
+
+def duplicate_keys(blob: bytes, prompt_len: int | None, request_id: str | None) -> tuple[bytes, bytes]:
+    """The seen-set members of a request: (b"i:<id>" or b"" when it has no id, b"h:<digest>")."""
+    id_key = b"i:" + request_id.encode() if request_id else b""
+    return id_key, b"h:" + content_digest(blob, prompt_len)
+
+
+def record_from_entry(stream_id: bytes, fields: dict[bytes, bytes]) -> RequestRecord:
+    """The record of a stream entry as XRANGE returns it."""
+    rid, plen = fields.get(b"r"), fields.get(b"p")
+    return RequestRecord(stream_id.decode(), np.frombuffer(fields[b"t"], dtype="<i4").astype(np.int32),
+                         None if rid is None else rid.decode(), None if plen is None else int(plen))
+
+
+class SeenKeys:
+    """The duplicate check of the append script for a namespace kept in memory only (no Redis).
+
+    Holds both keys of every request appended, as the ``seen`` set does; not thread-safe (callers hold
+    their write lock).
+    """
+
+    def __init__(self) -> None:
+        self._keys: set[bytes] = set()
+        self._end = 0  # ring slots given so far, for stream-like ids
+
+    def append(self, docs: list[tuple[np.ndarray, str | None]], prompt_lens: list[int | None],
+               skip_duplicates: bool = False) -> list[str | None]:
+        """Record ``docs``; returns an id per request, None for each duplicate left out."""
+        out: list[str | None] = []
+        for (tokens, request_id), plen in zip(docs, prompt_lens):
+            id_key, hash_key = duplicate_keys(np.asarray(tokens, dtype="<i4").tobytes(), plen, request_id)
+            if skip_duplicates and (hash_key in self._keys or (id_key and id_key in self._keys)):
+                out.append(None)
+                continue
+            self._keys.update((id_key, hash_key) if id_key else (hash_key,))
+            self._end += len(tokens) + 1
+            out.append(f"{self._end}-0")
+        return out
