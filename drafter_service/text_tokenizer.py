@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import datetime
+import functools
 import json
 import logging
 import pathlib
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import jinja2
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +73,38 @@ class TextTokenizer:
                     special[key] = value
         return cls(tok, str(path), template if isinstance(template, str) else None, special)
 
+    def with_chat_template(self, template: str) -> "TextTokenizer":
+        """This tokenizer with ``template`` (Jinja text) as its chat template instead of the folder's one."""
+        return TextTokenizer(self._tok, self.path, template, self.special_tokens)
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """The text of a conversation in the chat template, as transformers' ``apply_chat_template`` renders it.
+
+        The template runs in Jinja's immutable sandbox with ``trim_blocks`` and ``lstrip_blocks``, the
+        ``raise_exception`` and ``strftime_now`` globals, a ``tojson`` filter that keeps non-ASCII text, and the
+        special tokens of tokenizer_config.json (``bos_token``, ``eos_token``, ...) as variables.
+
+        Args:
+            messages: ``{"role": ..., "content": ...}`` dictionaries, oldest first.
+            add_generation_prompt: end with the template's opening of an assistant turn.
+
+        Raises:
+            TokenizerError: no chat template, or the template failed on these messages (its message says why).
+        """
+        if not self.chat_template:
+            raise TokenizerError(f"the tokenizer at {self.path} has no chat template (no chat_template in its "
+                                 "tokenizer_config.json); give one with --chat-template FILE")
+        template = _compiled_template(self.chat_template)
+        import jinja2
+
+        try:
+            return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                   **self.special_tokens)
+        except jinja2.TemplateError as exc:
+            raise TokenizerError(f"the chat template failed: {exc}") from None
+        except (TypeError, KeyError, AttributeError, IndexError, ValueError) as exc:
+            raise TokenizerError(f"the chat template failed on these messages: {exc!r}") from None
+
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids of each text, (k,) int32 each; nothing is added, special token strings map to their ids."""
         encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)  # type: ignore[attr-defined]
@@ -76,3 +113,31 @@ class TextTokenizer:
     def encode(self, text: str) -> np.ndarray:
         """Token ids of one text, (k,) int32."""
         return self.encode_batch([text])[0]
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str) -> "jinja2.Template":
+    """A chat template compiled like transformers does (sandboxed, trimmed blocks, its helper functions)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise TokenizerError(f"the chat template does not compile: {exc}") from None
