@@ -11,8 +11,8 @@ COPY engine_client engine_client
 COPY proto proto
 RUN pip install --no-cache-dir . && python -c "import store._kernels, store._lru, drafter_service._tree"
 
-ENV DRAFTER_ADDRESS=0.0.0.0:50051
-EXPOSE 50051
+ENV DRAFTER_ADDRESS=0.0.0.0:50051 DRAFTER_HTTP_ADDRESS=0.0.0.0:8050
+EXPOSE 50051 8050
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
     CMD python -c "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; \
 s = g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')); \

@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test demo bench-peers bench clean
+.PHONY: run test demo bench-peers bench clean browser
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -22,8 +22,24 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(VENV)/bin/drafter serve
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+test: $(STAMP) browser
+	DRAFTER_REQUIRE_BROWSER=1 $(PY) -m pytest -q
+
+# The dashboard test drives Debian's headless Chromium: install chromium and chromium-driver when they are missing
+# (apt-get as root, or through password-less sudo).
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=""; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	else echo "make browser: /usr/bin/chromium or /usr/bin/chromedriver is missing and installing them needs root;" \
+		"run: sudo apt-get install chromium chromium-driver" >&2; exit 1; fi; \
+	command -v apt-get >/dev/null 2>&1 || { echo "make browser: no apt-get here; install Chromium and its" \
+		"chromedriver as /usr/bin/chromium and /usr/bin/chromedriver" >&2; exit 1; }; \
+	echo "installing Debian's chromium and chromium-driver for the dashboard test"; \
+	{ $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium \
+		chromium-driver; } || { echo "make browser: apt-get could not install chromium and chromium-driver" \
+		"(see above)" >&2; exit 1; }
 
 # Start a service, generate answers to a few GSM8K questions with SmolLM2-135M, plain and with drafts; print the speedup.
 demo: $(STAMP)

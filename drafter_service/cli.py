@@ -7,7 +7,9 @@ import logging
 import sys
 
 from drafter_service.bench.commands import add_bench_commands
+from drafter_service.cli_corpus import add_corpus_commands
 from drafter_service.cli_serve import add_serve_commands
+from drafter_service.cli_warm import add_warm_command
 from drafter_service.distill import add_distill_command
 
 
@@ -17,8 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_commands(sub)
+    add_warm_command(sub)
     add_bench_commands(sub)
     add_distill_command(sub)
+    add_corpus_commands(sub)
     return parser
 
 

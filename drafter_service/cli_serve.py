@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import replace
 from typing import Any, Callable
@@ -55,6 +54,17 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
     _flag(sp, "--max-message-bytes", int, _DEFAULTS.max_message_bytes, "gRPC message size limit")
     _flag(sp, "--max-sessions", int, _DEFAULTS.max_sessions, "most live sessions")
     _flag(sp, "--workers", int, _DEFAULTS.workers, "gRPC worker threads")
+    _flag(sp, "--http-address", str, _DEFAULTS.http_address, "dashboard, /metrics and JSON API listen address "
+          "('' for none)")
+    _flag(sp, "--metrics-interval", float, _DEFAULTS.metrics_interval_s, "seconds between metric points kept "
+          "in Redis")
+    _flag(sp, "--metrics-history", int, _DEFAULTS.metrics_history, "metric points kept per namespace")
+    _flag(sp, "--warm-dir", str, _DEFAULTS.warm_dir, "warm from new and grown request logs (*.jsonl) in this folder, "
+          "as `drafter warm --watch` does ('' for none)")
+    _flag(sp, "--warm-tokenizer", str, _DEFAULTS.warm_tokenizer, "tokenizer.json (or its folder) for text and chat "
+          "logs in --warm-dir")
+    _flag(sp, "--warm-interval", float, _DEFAULTS.warm_interval_s, "seconds between scans of --warm-dir")
+    _flag(sp, "--warm-namespace", str, _DEFAULTS.warm_namespace, "namespace --warm-dir is warmed into")
     _flag(sp, "--sources", str, "session,store,dynamic,frozen,repeat", "model-free sources to draft from "
           "(comma-separated; 'none' for the draft model alone)")
     _flag(sp, "--draft-model", str, "", "optional draft model(s) as [NAMESPACE=]PATH[,...] (CARD query-and-correct)")
@@ -105,7 +115,11 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig(address=args.address, data_dir=args.data_dir, redis_url=args.redis_url, namespaces=specs,
                          default_vocab_size=args.vocab_size, drafter=core, rebuild_interval_s=args.rebuild_interval,
                          snapshot_interval_s=args.snapshot_interval, max_message_bytes=args.max_message_bytes,
-                         max_sessions=args.max_sessions, workers=args.workers, draft_models=drafts)
+                         max_sessions=args.max_sessions, workers=args.workers, draft_models=drafts,
+                         http_address=args.http_address, metrics_interval_s=args.metrics_interval,
+                         metrics_history=args.metrics_history, warm_dir=args.warm_dir,
+                         warm_tokenizer=args.warm_tokenizer, warm_interval_s=args.warm_interval,
+                         warm_namespace=args.warm_namespace)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -124,10 +138,17 @@ def run_serve(args: argparse.Namespace) -> int:
         runtime.stop(grace=0)
         from drafter_service.draft_model import DraftModelError
 
+        from drafter_service.text_tokenizer import TokenizerError
+
         if isinstance(exc, DraftModelError):
             raise SystemExit(f"bad draft model: {exc}") from None
+        if isinstance(exc, TokenizerError):
+            raise SystemExit(f"bad --warm-tokenizer: {exc}") from None
+        if isinstance(exc, OSError):
+            raise SystemExit(f"cannot start: {exc}") from None
         raise
-    print(f"drafter serving on port {runtime.port} ({', '.join(ns.name for ns in config.namespaces)}); "
+    web = f"; dashboard and /metrics on {runtime.http.url}" if runtime.http is not None else ""
+    print(f"drafter serving on port {runtime.port} ({', '.join(ns.name for ns in config.namespaces)}){web}; "
           f"ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
     def shutdown(signum: int, frame: object) -> None:
@@ -142,13 +163,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_ingest(args: argparse.Namespace) -> int:
-    """Stream a JSONL file of completed requests to the service in batches, with a progress bar."""
-    from tqdm import tqdm
+    """Stream a JSONL file of completed requests to the service in batches, with a progress bar.
 
+    ``drafter warm`` supersedes it (duplicates skipped, resumable, text and chat logs); this stores every line.
+    """
+    from drafter_service.warm_sinks import WarmError
     from engine_client.admin import ingest_file
 
-    with tqdm(desc="ingest", unit="req", file=sys.stderr) as bar:
-        n, tokens, bad = ingest_file(args.address, args.file, args.namespace, args.batch, progress=bar.update)
+    try:
+        n, tokens, bad = ingest_file(args.address, args.file, args.namespace, args.batch, progress=True)
+    except WarmError as exc:
+        raise SystemExit(str(exc)) from None
     print(f"ingested {n} requests ({tokens} tokens); {bad} malformed lines skipped")
     return 0 if n or not bad else 1
 

@@ -261,7 +261,7 @@ class Drafter:
 
     def ingest(self, prompt: Sequence[int] | np.ndarray, output: Sequence[int] | np.ndarray) -> None:
         """Add a completed request that had no session (from an engine or a log)."""
-        self.add_document(self.document(prompt, output))
+        self.add_document(self.document(prompt, output), prompt_len=len(prompt))
 
     def add_frozen(self, name: str, table: FrozenNGramTable) -> None:
         """Install (or replace) a frozen table under ``name``."""
@@ -269,6 +269,13 @@ class Drafter:
             raise InvalidArgument(f"frozen table {name!r} has leaders of {table.leader_len} tokens, "
                                   f"expected {self.config.leader_len}")
         self.frozen = {**self.frozen, name: table}
+
+    def remove_frozen(self, name: str) -> bool:
+        """Stop drafting from frozen table ``name`` (drafts already running finish with it); False if none."""
+        if name not in self.frozen:
+            return False
+        self.frozen = {k: t for k, t in self.frozen.items() if k != name}
+        return True
 
     def rebuild(self) -> str | None:
         """Rebuild whichever suffix index is due (see ``TokenStore.rebuild``)."""

@@ -15,7 +15,8 @@ from drafter_service.config import DrafterConfig
 from drafter_service.drafter import Drafter
 from drafter_service.errors import InvalidArgument, Unavailable
 from drafter_service.tree import EMPTY_TREE, DraftTree
-from store.ngram_table import FrozenNGramTable
+from store.request_log import SeenKeys
+from drafter_service.frozen_tables import FrozenTables
 
 if TYPE_CHECKING:
     from drafter_service.card import DraftModelDrafts
@@ -24,9 +25,31 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def estimated_speedup(steps: int, tokens: int, step_seconds: float, plain_seconds: float) -> float:
+    """Decode rate with drafts over the plain decode rate, from engine-reported step times (0 when undefined).
+
+    Over ``steps`` verification steps that reported both times: ``tokens`` emitted (every token each step
+    appended: accepted draft tokens plus the target's own), ``step_seconds`` their summed verification times
+    and ``plain_seconds`` the summed plain decode step times reported with them. The speedup is
+    ``(tokens / step_seconds) / (1 / mean plain step) = tokens / step_seconds * plain_seconds / steps``.
+    """
+    if steps <= 0 or step_seconds <= 0.0:
+        return 0.0
+    return tokens / step_seconds * (plain_seconds / steps)
+
+
 @dataclass
 class DraftCounters:
-    """Draft statistics of a namespace since the service started."""
+    """Draft statistics of a namespace since the service started (cumulative; the rollup takes differences).
+
+    ``drafted_by_source`` counts served nodes by the source that proposed them (their sum is ``drafted_tokens``,
+    "unspecified" for nodes without a source name); ``confirmed_by_source`` counts the confirmed ones the same
+    way (sum ``confirmed_tokens``). ``accepted_steps`` counts the Draft calls (report-only ones included) that
+    carried accepted tokens and ``accepted_tokens`` sums their lengths: each is one verification step and the
+    tokens it emitted, so their ratio is the mean accepted length, right even when the engine verified only part
+    of a served tree or drafted from an earlier one. ``speedup_*`` sum the steps that reported both
+    ``step_seconds`` and ``plain_step_seconds`` (see ``estimated_speedup``).
+    """
 
     drafts: int = 0
     drafted_tokens: int = 0
@@ -35,12 +58,69 @@ class DraftCounters:
     reused_steps: int = 0
     reported_steps: int = 0
     step_seconds_total: float = 0.0
+    accepted_steps: int = 0
+    accepted_tokens: int = 0
+    drafted_by_source: dict[str, int] = field(default_factory=dict)
+    confirmed_by_source: dict[str, int] = field(default_factory=dict)
+    speedup_steps: int = 0
+    speedup_tokens: int = 0
+    speedup_step_seconds: float = 0.0
+    speedup_plain_seconds: float = 0.0
     latencies_ns: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8192))
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def percentile_us(self, q: float) -> float:
         """Latency percentile of the recent drafts, in microseconds (0 when none)."""
         return float(np.percentile(np.fromiter(self.latencies_ns, dtype=np.int64), q)) / 1e3 \
             if self.latencies_ns else 0.0
+
+    @staticmethod
+    def count_sources(into: dict[str, int], sources: Sequence[str], n: int) -> None:
+        """Add ``n`` nodes whose source names are ``sources`` (one per node; missing ones "unspecified")."""
+        if n <= 0:
+            return
+        counts = collections.Counter(sources[:n])
+        counts[""] += n - min(n, len(sources))
+        for name, k in counts.items():
+            if k:
+                name = name or "unspecified"
+                into[name] = into.get(name, 0) + k
+
+    def record_step(self, tokens: int, step_seconds: float, plain_step_seconds: float) -> None:
+        """Count a step that appended ``tokens`` and reported its verification and plain step times (0: not)."""
+        if tokens:
+            self.accepted_steps += 1
+            self.accepted_tokens += tokens
+        if step_seconds > 0:
+            self.reported_steps += 1
+            self.step_seconds_total += step_seconds
+            if plain_step_seconds > 0 and tokens:
+                self.speedup_steps += 1
+                self.speedup_tokens += tokens
+                self.speedup_step_seconds += step_seconds
+                self.speedup_plain_seconds += plain_step_seconds
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step (accepted draft tokens plus the target's own); 0 before any."""
+        return self.accepted_tokens / self.accepted_steps if self.accepted_steps else 0.0
+
+    @property
+    def estimated_speedup(self) -> float:
+        """``estimated_speedup`` over every step since the start."""
+        return estimated_speedup(self.speedup_steps, self.speedup_tokens, self.speedup_step_seconds,
+                                 self.speedup_plain_seconds)
+
+    def snapshot(self) -> dict[str, object]:
+        """A copy of the cumulative counters (for the metrics rollup); latencies are not included."""
+        return {"drafts": self.drafts, "drafted_tokens": self.drafted_tokens, "scored_steps": self.scored_steps,
+                "confirmed_tokens": self.confirmed_tokens, "reused_steps": self.reused_steps,
+                "reported_steps": self.reported_steps, "step_seconds_total": self.step_seconds_total,
+                "accepted_steps": self.accepted_steps, "accepted_tokens": self.accepted_tokens,
+                "drafted_by_source": dict(self.drafted_by_source),
+                "confirmed_by_source": dict(self.confirmed_by_source), "speedup_steps": self.speedup_steps,
+                "speedup_tokens": self.speedup_tokens, "speedup_step_seconds": self.speedup_step_seconds,
+                "speedup_plain_seconds": self.speedup_plain_seconds}
 
 
 class Namespace:
@@ -55,9 +135,11 @@ class Namespace:
         self.name = name
         self.drafter = Drafter(config, draft_model)
         self.persistence = persistence
+        self.frozen_tables = FrozenTables(name, self.drafter, persistence)
         self.counters = DraftCounters()
         self.built_at = time.monotonic()
         self._write_lock = threading.Lock()  # keeps the durable log and the ring buffer in the same order
+        self._memory_seen = SeenKeys()  # duplicate keys when there is no persistence
 
     @classmethod
     def create(cls, name: str, base: DrafterConfig, vocab_size: int, persistence: "RedisPersistence | None",
@@ -85,13 +167,10 @@ class Namespace:
         stats = p.load_model()
         if stats:
             self.drafter.model.load(stats)
-        cfg = self.drafter.config
-        for table_name in p.list_frozen():
-            entries = p.load_frozen(table_name)
-            self.drafter.add_frozen(table_name, FrozenNGramTable(cfg.leader_len, cfg.follower_len, entries))
+        self.frozen_tables.restore()
         n = 0
-        for stream_id, doc, _ in p.iter_requests():
-            self.drafter.add_document(doc, learn=_after(stream_id, after))
+        for rec in p.iter_request_records():
+            self.drafter.add_document(rec.tokens, learn=_after(rec.stream_id, after), prompt_len=rec.prompt_len)
             n += 1
             if progress is not None and n % 1000 == 0:
                 progress(n)
@@ -121,58 +200,88 @@ class Namespace:
     # -- requests -------------------------------------------------------------------------------------
 
     def draft(self, session_id: str, accepted: Sequence[int], max_nodes: int, report_only: bool = False,
-              step_seconds: float = 0.0) -> tuple[DraftTree, int]:
+              step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> tuple[DraftTree, int]:
         """Extend the session with ``accepted``, then propose; returns the tree and the confirmed count.
 
         With ``report_only`` nothing is proposed (the engine drafts from an earlier tree) and the tree is empty.
+        ``step_seconds`` (the verification step that produced ``accepted``) and ``plain_step_seconds`` (the
+        engine's plain decode step now) feed the statistics only; see ``estimated_speedup``.
         """
         t0 = time.perf_counter_ns()
         d = self.drafter
         confirmed = d.extend(session_id, accepted) if len(accepted) else 0
+        by_source = self._confirmed_sources(session_id) if confirmed else ()
         c = self.counters
-        if step_seconds > 0:
-            c.reported_steps += 1
-            c.step_seconds_total += step_seconds
         if report_only:
-            c.reused_steps += 1
-            c.confirmed_tokens += confirmed
+            with c.lock:
+                c.record_step(len(accepted), step_seconds, plain_step_seconds)
+                c.reused_steps += 1
+                c.confirmed_tokens += confirmed
+                c.count_sources(c.confirmed_by_source, by_source, confirmed)
             return EMPTY_TREE, confirmed
         tree = d.propose(session_id, max_nodes)
-        c.latencies_ns.append(time.perf_counter_ns() - t0)
-        c.drafts += 1
-        c.drafted_tokens += len(tree)
-        if len(accepted):
-            c.scored_steps += 1
-            c.confirmed_tokens += confirmed
+        latency_ns = time.perf_counter_ns() - t0
+        with c.lock:
+            c.record_step(len(accepted), step_seconds, plain_step_seconds)
+            c.latencies_ns.append(latency_ns)
+            c.drafts += 1
+            c.drafted_tokens += len(tree)
+            c.count_sources(c.drafted_by_source, tree.sources, len(tree))
+            if len(accepted):
+                c.scored_steps += 1
+                c.confirmed_tokens += confirmed
+                c.count_sources(c.confirmed_by_source, by_source, confirmed)
         return tree, confirmed
+
+    def _confirmed_sources(self, session_id: str) -> tuple[str, ...]:
+        sess = self.drafter.sessions.get(session_id)
+        return sess.last_confirmed_sources if sess is not None else ()
 
     def end_session(self, session_id: str, accepted: Sequence[int]) -> int:
         """Store the request durably, then close the session; returns the tokens stored."""
         doc = self.drafter.closing_document(session_id, accepted)
+        prompt_len = self.drafter.session(session_id).prompt_len
         with self._write_lock:
-            self._persist([(doc, session_id)])
+            self._persist([(doc, session_id)], [prompt_len])
             self.drafter.end(session_id, accepted)
         return int(doc.size)
 
-    def ingest(self, requests: Sequence[tuple[Sequence[int], Sequence[int], str]]) -> tuple[int, int]:
-        """Validate every request first (one bad request refuses the call), persist them all, then store them."""
-        docs = []
+    def ingest(self, requests: Sequence[tuple[Sequence[int], Sequence[int], str]],
+               skip_duplicates: bool = False) -> tuple[int, int, int]:
+        """Validate every request first (one bad request refuses the call), persist them all, then store them.
+
+        Args:
+            requests: (prompt ids, output ids, request id or "") per request.
+            skip_duplicates: leave out requests already stored (same request id, or same prompt and output),
+                found atomically with the append; see ``RedisPersistence.append_requests``.
+
+        Returns:
+            (requests stored, their tokens, duplicates skipped).
+        """
+        docs, prompt_lens = [], []
         for i, (prompt, output, request_id) in enumerate(requests):
             try:
                 docs.append((self.drafter.document(prompt, output), request_id or None))
             except InvalidArgument as exc:
                 raise InvalidArgument(f"request {i}: {exc}") from None
+            prompt_lens.append(len(prompt))
         with self._write_lock:
-            self._persist(docs)
-            for doc, _ in docs:
-                self.drafter.add_document(doc)
-        return len(docs), sum(int(doc.size) for doc, _ in docs)
+            appended = self._persist(docs, prompt_lens, skip_duplicates)
+            stored = tokens = 0
+            for (doc, _), plen, sid in zip(docs, prompt_lens, appended):
+                if sid is not None:
+                    self.drafter.add_document(doc, prompt_len=plen)
+                    stored += 1
+                    tokens += int(doc.size)
+        return stored, tokens, len(docs) - stored
 
-    def _persist(self, docs: list[tuple[np.ndarray, str | None]]) -> None:
+    def _persist(self, docs: list[tuple[np.ndarray, str | None]], prompt_lens: list[int],
+                 skip_duplicates: bool = False) -> list[str | None]:
+        """Append ``docs`` durably; returns their stream ids (None for each duplicate left out)."""
         if self.persistence is None:
-            return
+            return self._memory_seen.append(docs, prompt_lens, skip_duplicates)
         try:
-            self.persistence.append_requests(docs)
+            return self.persistence.append_requests(docs, prompt_lens, skip_duplicates)
         except Exception as exc:  # the store is unchanged: nothing is acknowledged
             logger.error("namespace %s: could not persist %d requests: %s", self.name, len(docs), exc)
             raise Unavailable(f"could not store the request durably: {exc}") from exc
@@ -195,10 +304,12 @@ class Namespace:
             "index_age_seconds": time.monotonic() - self.built_at, "dynamic_leaders": len(d.dynamic),
             "frozen_tables": sorted(d.frozen), "active_sessions": len(d.sessions), "drafts": c.drafts,
             "drafted_tokens": c.drafted_tokens, "confirmed_tokens": c.confirmed_tokens,
-            "mean_accepted_length": (c.confirmed_tokens / c.scored_steps + 1.0) if c.scored_steps else 0.0,
+            "mean_accepted_length": c.mean_accepted_length,
             "draft_latency_p50_us": c.percentile_us(50), "draft_latency_p99_us": c.percentile_us(99),
             "persistence_healthy": healthy, "reported_steps": c.reported_steps,
             "mean_step_ms": 1e3 * c.step_seconds_total / c.reported_steps if c.reported_steps else 0.0,
+            "speedup_steps": c.speedup_steps, "estimated_speedup": c.estimated_speedup,
+            "drafted_by_source": dict(c.drafted_by_source), "confirmed_by_source": dict(c.confirmed_by_source),
             "reused_steps": c.reused_steps, "repeat_hits": d.repeats.hits, **self._model_stats(),
         }
 

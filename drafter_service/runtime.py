@@ -1,4 +1,4 @@
-"""A running service: storage (embedded or external Redis), restore, gRPC server, background jobs, shut-down."""
+"""A running service: storage (embedded or external Redis), restore, gRPC and HTTP servers, background jobs."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ from pathlib import Path
 
 import grpc
 
+from drafter_service.http_server import DashboardServer
 from drafter_service.jobs import start_jobs
 from drafter_service.server import create_server
 from drafter_service.service import DrafterService
 from drafter_service.service_config import ServiceConfig
+from drafter_service.timeseries import MetricsRollup
+from drafter_service.warm_watch import FolderWatch, service_watch
 from store.embedded_redis import EmbeddedRedis
 from store.index_worker import IndexWorker
 from store.persistence import RedisPersistence
@@ -29,7 +32,10 @@ class Runtime:
         self.service: DrafterService | None = None
         self.server: grpc.Server | None = None
         self.port = 0
+        self.rollup: MetricsRollup | None = None
+        self.http: DashboardServer | None = None
         self._scheduler = None
+        self.warm: FolderWatch | None = None
         self._worker: IndexWorker | None = None
         self._stopped = threading.Event()
 
@@ -42,7 +48,8 @@ class Runtime:
             self.redis.start()
             url = self.redis.url
             logger.info("embedded Redis on %s, data in %s", url, cfg.data_dir)
-        self.service = DrafterService(cfg, lambda name, vocab: RedisPersistence(url, name, vocab_size=vocab))
+        self.service = DrafterService(cfg, lambda name, vocab: RedisPersistence(
+            url, name, vocab_size=vocab, metrics_history=cfg.metrics_history))
         if cfg.rebuild_in_subprocess:
             self._worker = IndexWorker()
             for ns in self.service.namespaces.values():
@@ -51,8 +58,26 @@ class Runtime:
         restored = self.service.restore()
         logger.info("restored %s in %.2f s", restored, time.perf_counter() - t0)
         self.server, self.port = create_server(cfg, cfg.address, self.service)
-        self._scheduler = start_jobs(self.service, cfg.rebuild_interval_s, cfg.snapshot_interval_s)
+        self.rollup = MetricsRollup(self.service)
+        if cfg.http_address:
+            self.http = DashboardServer(self.service, self.rollup, cfg.http_address,
+                                        interval_s=cfg.metrics_interval_s)
+            try:
+                self.http.start()
+            except OSError as exc:
+                self.http = None
+                raise OSError(f"cannot listen on {cfg.http_address} for the dashboard and /metrics ({exc}); "
+                              "choose another --http-address, or '' for no HTTP") from exc
+        self.warm = service_watch(self.service, cfg)
+        self._scheduler = start_jobs(self.service, cfg.rebuild_interval_s, cfg.snapshot_interval_s,
+                                     metrics=self.rollup.roll, metrics_interval_s=cfg.metrics_interval_s,
+                                     warm=self.warm)
         return self
+
+    @property
+    def http_port(self) -> int:
+        """Port of the dashboard and /metrics (0 when HTTP is off or not started)."""
+        return self.http.port if self.http is not None else 0
 
     def stop(self, grace: float = 5.0) -> None:
         """Stop taking requests, let running ones finish, save tables, stop storage. Safe to call twice."""
@@ -61,8 +86,17 @@ class Runtime:
         self._stopped.set()
         if self.server is not None:
             self.server.stop(grace).wait()
+        if self.http is not None:
+            self.http.stop()
+        if self.warm is not None:  # a running scan ends after its current batch
+            self.warm.stop()
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=True)
+        if self.rollup is not None:
+            try:  # the last partial interval goes into the history too
+                self.rollup.roll()
+            except Exception:
+                logger.exception("final metric rollup failed")
         if self.service is not None:
             self.service.close()
             self.service.snapshot()

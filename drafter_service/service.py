@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from drafter_service.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from drafter_service.namespace import Namespace
 from drafter_service.service_config import DEFAULT_NAMESPACE, ServiceConfig, check_name
 from drafter_service.tree import DraftTree
+
+if TYPE_CHECKING:
+    from store.frozen_table import FrozenNGramTable
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +122,19 @@ class DrafterService:
         return ns
 
     def draft(self, session_id: str, accepted: Sequence[int], max_nodes: int = 0, report_only: bool = False,
-              step_seconds: float = 0.0) -> tuple[DraftTree, int]:
-        """Correct the session with ``accepted`` and draft the next tree (none when ``report_only``)."""
+              step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> tuple[DraftTree, int]:
+        """Correct the session with ``accepted`` and draft the next tree (none when ``report_only``).
+
+        ``step_seconds`` and ``plain_step_seconds`` are the engine's reported step times (0: not reported), each
+        in [0, 3600]; they only feed the statistics.
+        """
         self._check_tokens(accepted, "accepted")
         self._check_budget(max_nodes)
-        if not 0.0 <= step_seconds <= 3600.0:  # also refuses NaN
-            raise InvalidArgument(f"step_seconds must be in [0, 3600], got {step_seconds}")
-        return self._of_session(session_id).draft(session_id, accepted, max_nodes, report_only, step_seconds)
+        for name, value in (("step_seconds", step_seconds), ("plain_step_seconds", plain_step_seconds)):
+            if not 0.0 <= value <= 3600.0:  # also refuses NaN
+                raise InvalidArgument(f"{name} must be in [0, 3600], got {value}")
+        return self._of_session(session_id).draft(session_id, accepted, max_nodes, report_only, step_seconds,
+                                                  plain_step_seconds)
 
     def end_session(self, session_id: str, accepted: Sequence[int]) -> int:
         """Store the request durably and close its session; returns the tokens stored."""
@@ -136,8 +145,13 @@ class DrafterService:
             self._session_ns.pop(session_id, None)
         return stored
 
-    def ingest(self, namespace: str, requests: Sequence[tuple[Sequence[int], Sequence[int], str]]) -> tuple[int, int]:
-        """Store completed requests durably; returns (requests, tokens)."""
+    def ingest(self, namespace: str, requests: Sequence[tuple[Sequence[int], Sequence[int], str]],
+               skip_duplicates: bool = False) -> tuple[int, int, int]:
+        """Store completed requests durably; returns (requests stored, tokens, duplicates skipped).
+
+        With ``skip_duplicates`` a request already stored (same request id, or same prompt and output) is
+        left out.
+        """
         if not requests:
             raise InvalidArgument("no requests to ingest")
         if len(requests) > self.config.max_ingest_requests:
@@ -146,8 +160,20 @@ class DrafterService:
         for i, (prompt, output, _) in enumerate(requests):
             self._check_tokens(prompt, f"request {i} prompt")
             self._check_tokens(output, f"request {i} output")
-        return self.namespace(namespace).ingest(requests)
+        return self.namespace(namespace).ingest(requests, skip_duplicates)
 
     def stats(self, namespace: str) -> dict[str, object]:
         """GetStats figures of one namespace."""
         return self.namespace(namespace).stats()
+
+    def put_frozen(self, namespace: str, name: str, table: "FrozenNGramTable", source: str = "") -> dict:
+        """Store a frozen table durably and draft from it (replacing one of that name); returns its header."""
+        return self.namespace(namespace).frozen_tables.put(name, table, source)
+
+    def list_frozen(self, namespace: str) -> list[dict]:
+        """Headers of a namespace's frozen tables, by name."""
+        return self.namespace(namespace).frozen_tables.list()
+
+    def remove_frozen(self, namespace: str, name: str) -> bool:
+        """Delete a frozen table and stop drafting from it; False when there was none."""
+        return self.namespace(namespace).frozen_tables.remove(name)

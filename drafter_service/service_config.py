@@ -105,6 +105,14 @@ class ServiceConfig:
         max_sessions: most live sessions over all namespaces.
         workers: gRPC server threads.
         draft_models: optional draft models, at most one per namespace.
+        http_address: where the dashboard, ``/metrics`` and the JSON API listen ("host:0" picks a free port;
+            "" serves no HTTP).
+        metrics_interval_s: seconds between metric points (the rollup into Redis).
+        metrics_history: metric points kept per namespace in Redis (the default is a week at 5 s).
+        warm_dir: a folder whose new and grown request logs are warmed into ``warm_namespace`` ("" for none).
+        warm_tokenizer: that namespace's tokenizer (tokenizer.json or its folder) for text and chat logs.
+        warm_interval_s: seconds between scans of ``warm_dir``.
+        warm_namespace: the namespace ``warm_dir`` is warmed into.
     """
 
     address: str = "127.0.0.1:50051"
@@ -123,6 +131,13 @@ class ServiceConfig:
     max_sessions: int = 100000
     workers: int = 64
     draft_models: tuple[DraftModelSpec, ...] = ()
+    http_address: str = "127.0.0.1:8050"
+    metrics_interval_s: float = 5.0
+    metrics_history: int = 7 * 24 * 3600 // 5
+    warm_dir: str = ""
+    warm_tokenizer: str = ""
+    warm_interval_s: float = 10.0
+    warm_namespace: str = DEFAULT_NAMESPACE
 
     def __post_init__(self) -> None:
         names = [ns.name for ns in self.namespaces]
@@ -137,13 +152,20 @@ class ServiceConfig:
         for name in drafted:
             if self.namespace(name) is None:
                 raise ValueError(f"draft model for undeclared namespace {name!r}")
-        for name in ("rebuild_interval_s", "snapshot_interval_s"):
+        if self.warm_dir and self.namespace(self.warm_namespace) is None:
+            raise ValueError(f"warm_namespace {self.warm_namespace!r} is not declared")
+        for name in ("rebuild_interval_s", "snapshot_interval_s", "metrics_interval_s", "warm_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         for name in ("max_message_bytes", "max_request_tokens", "max_ingest_requests", "max_nodes_limit",
-                     "max_sessions", "workers"):
+                     "max_sessions", "workers", "metrics_history"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+
+        if self.http_address:
+            host, sep, port = self.http_address.rpartition(":")
+            if not sep or not host or not port.isdigit() or int(port) > 65535:
+                raise ValueError(f"http_address must be HOST:PORT (or empty), got {self.http_address!r}")
 
     def namespace(self, name: str) -> NamespaceSpec | None:
         """The declared namespace ``name`` (None when unknown)."""

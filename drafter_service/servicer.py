@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Iterator
 
 import grpc
+import numpy as np
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
+from drafter_service.frozen_tables import table_from_chunks
 from drafter_service.service import DrafterService
 from drafter_service.tree import DraftTree
 
@@ -20,6 +22,14 @@ def tree_message(tree: DraftTree, confirmed: int) -> pb.DraftResponse:
     return pb.DraftResponse(token_ids=tree.token_ids, parents=tree.parents, probs=tree.probs, score=tree.score,
                             sources=[_SOURCES.get(s, pb.SOURCE_UNSPECIFIED) for s in tree.sources],
                             confirmed=confirmed)
+
+
+def frozen_info_message(header: dict) -> pb.FrozenTableInfo:
+    """A FrozenTableInfo for a frozen table's header."""
+    return pb.FrozenTableInfo(name=header["name"], source=header.get("source", ""),
+                              saved_at=header.get("saved_at", 0.0), leaders=header.get("leaders", 0),
+                              followers=header.get("followers", 0), leader_len=header.get("leader_len", 0),
+                              follower_len=header.get("follower_len", 0))
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
@@ -35,7 +45,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     def Draft(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftResponse:
         tree, confirmed = self.service.draft(request.session_id, list(request.accepted), request.max_nodes,
-                                             request.report_only, request.step_seconds)
+                                             request.report_only, request.step_seconds, request.plain_step_seconds)
         return tree_message(tree, confirmed)
 
     def DraftStream(self, requests: Iterator[pb.DraftRequest], context: grpc.ServicerContext
@@ -43,7 +53,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         draft = self.service.draft
         for request in requests:
             tree, confirmed = draft(request.session_id, list(request.accepted), request.max_nodes,
-                                    request.report_only, request.step_seconds)
+                                    request.report_only, request.step_seconds, request.plain_step_seconds)
             yield tree_message(tree, confirmed)
 
     def EndSession(self, request: pb.EndSessionRequest, context: grpc.ServicerContext) -> pb.EndSessionResponse:
@@ -51,9 +61,24 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                                                             list(request.accepted)))
 
     def Ingest(self, request: pb.IngestRequest, context: grpc.ServicerContext) -> pb.IngestResponse:
-        reqs = [(list(r.prompt), list(r.output), r.request_id) for r in request.requests]
-        n, tokens = self.service.ingest(request.namespace, reqs)
-        return pb.IngestResponse(ingested=n, tokens=tokens)
+        reqs = [(np.array(r.prompt, dtype=np.int32), np.array(r.output, dtype=np.int32), r.request_id)
+                for r in request.requests]
+        n, tokens, skipped = self.service.ingest(request.namespace, reqs, request.skip_duplicates)
+        return pb.IngestResponse(ingested=n, tokens=tokens, skipped=skipped)
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
         return pb.GetStatsResponse(**self.service.stats(request.namespace))
+
+    def PutFrozenTable(self, chunks: Iterator[pb.FrozenTableChunk], context: grpc.ServicerContext
+                       ) -> pb.FrozenTableInfo:
+        namespace, name, source, table = table_from_chunks(chunks)
+        return frozen_info_message(self.service.put_frozen(namespace, name, table, source))
+
+    def ListFrozenTables(self, request: pb.ListFrozenTablesRequest, context: grpc.ServicerContext
+                         ) -> pb.ListFrozenTablesResponse:
+        return pb.ListFrozenTablesResponse(tables=[frozen_info_message(h)
+                                                   for h in self.service.list_frozen(request.namespace)])
+
+    def RemoveFrozenTable(self, request: pb.RemoveFrozenTableRequest, context: grpc.ServicerContext
+                          ) -> pb.RemoveFrozenTableResponse:
+        return pb.RemoveFrozenTableResponse(removed=self.service.remove_frozen(request.namespace, request.name))

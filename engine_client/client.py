@@ -262,7 +262,7 @@ class DrafterClient(LocalFigures):
         return state.local_id
 
     def draft(self, session: str, accepted: Sequence[int], max_nodes: int = 0,
-              step_seconds: float = 0.0) -> DraftTree:
+              step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> DraftTree:
         """The next draft tree of a session: a reused subtree, a fresh one, or EMPTY_TREE when the service is away.
 
         Args:
@@ -270,6 +270,8 @@ class DrafterClient(LocalFigures):
             accepted: tokens appended since the previous call (accepted draft tokens plus the target's own).
             max_nodes: most nodes the engine verifies (0: the session's default).
             step_seconds: time of the verification step that produced ``accepted`` (passed to the service).
+            plain_step_seconds: time a plain decode step (one token, no draft) takes on the engine now, 0 when
+                unknown (passed to the service, which estimates the speedup from the two).
 
         Raises:
             DrafterRequestError: unknown session, bad token ids, budget or step time (nothing is recorded).
@@ -277,11 +279,11 @@ class DrafterClient(LocalFigures):
         t0 = perf_counter_ns()
         book = self._book
         state = book.get(session)
-        toks = book.record(state, accepted, step_seconds, max_nodes)
+        toks = book.record(state, accepted, step_seconds, max_nodes, plain_step_seconds)
         tree = book.try_reuse(state, toks, max_nodes)
         if tree is not None:
             if self._backoff.ready() and book.can_report(state):  # tell the service, do not wait for its answer
-                req, entry = book.draft_request(state, max_nodes, True, step_seconds)
+                req, entry = book.draft_request(state, max_nodes, True, step_seconds, plain_step_seconds)
                 stream = self._get_stream()
                 with stream.lock:
                     if not stream.post(req, entry):
@@ -294,7 +296,7 @@ class DrafterClient(LocalFigures):
             for _ in range(4):
                 if book.needs_open(state):
                     self._open_remote(state)
-                req, entry = book.draft_request(state, max_nodes, False, step_seconds)
+                req, entry = book.draft_request(state, max_nodes, False, step_seconds, plain_step_seconds)
                 stream = self._get_stream()
                 with stream.lock:
                     if stream.post(req, entry):

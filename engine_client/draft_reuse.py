@@ -176,15 +176,16 @@ class SessionBook:
             self._sessions.pop(state.local_id, None)
 
     def record(self, state: SessionState, accepted: Sequence[int], step_seconds: float = 0.0,
-               max_nodes: int = 0) -> list[int]:
+               max_nodes: int = 0, plain_step_seconds: float = 0.0) -> list[int]:
         """Validate the arguments of a step and append the tokens the target accepted.
 
         The tokens are attributed to the kind of the last draft (reused or fetched) for acceptance statistics.
         """
         if max_nodes < 0:
             raise DrafterRequestError(f"max_nodes must be >= 0, got {max_nodes}")
-        if not 0.0 <= step_seconds <= 3600.0:
-            raise DrafterRequestError(f"step_seconds must be in [0, 3600], got {step_seconds}")
+        for name, value in (("step_seconds", step_seconds), ("plain_step_seconds", plain_step_seconds)):
+            if not 0.0 <= value <= 3600.0:  # also refuses NaN
+                raise DrafterRequestError(f"{name} must be in [0, 3600], got {value}")
         toks = check_tokens(accepted, self.vocab_size, "accepted")
         with self._lock:
             state.tokens.extend(toks)
@@ -251,14 +252,15 @@ class SessionBook:
         if reopened:
             logger.info("session %s reopened on the service with %d tokens", state.local_id, n)
 
-    def draft_request(self, state: SessionState, max_nodes: int, report: bool,
-                      step_seconds: float) -> tuple[pb.DraftRequest, Pending]:
+    def draft_request(self, state: SessionState, max_nodes: int, report: bool, step_seconds: float,
+                      plain_step_seconds: float = 0.0) -> tuple[pb.DraftRequest, Pending]:
         """The next DraftRequest of a session (every token not sent yet) and its pending record."""
         ask = 0 if report else self.budget(state, max_nodes)[1]
         with self._lock:
             end = len(state.tokens)
             req = pb.DraftRequest(session_id=state.remote_id, accepted=state.tokens[state.sent:end], max_nodes=ask,
-                                  report_only=report, step_seconds=step_seconds)
+                                  report_only=report, step_seconds=step_seconds,
+                                  plain_step_seconds=plain_step_seconds)
             state.sent = end
             entry = Pending(state, state.generation, end, report, ask)
             state.pending.append(entry)

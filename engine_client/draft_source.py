@@ -23,7 +23,7 @@ class DraftSource(Protocol):
         ...
 
     def draft(self, session: str, accepted: Sequence[int], max_nodes: int = 0,
-              step_seconds: float = 0.0) -> DraftTree:
+              step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> DraftTree:
         """The next tree for a session.
 
         Args:
@@ -32,6 +32,8 @@ class DraftSource(Protocol):
                 target's own token); empty on the first call.
             max_nodes: most nodes the engine will verify (0: the session's default).
             step_seconds: how long the verification step that produced ``accepted`` took (0: unknown).
+            plain_step_seconds: how long a plain decode step (one token, no draft) takes on the engine now
+                (0: unknown); with ``step_seconds`` it lets the service estimate the speedup.
         """
         ...
 
@@ -50,7 +52,7 @@ class NoDrafts:
         return f"plain-{next(self._ids)}"
 
     def draft(self, session: str, accepted: Sequence[int], max_nodes: int = 0,
-              step_seconds: float = 0.0) -> DraftTree:
+              step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> DraftTree:
         return EMPTY_TREE
 
     def end(self, session: str, accepted: Sequence[int]) -> None:

@@ -167,7 +167,8 @@ class ReferenceEngine:
             step_seconds = 0.0
             while len(tokens) < max_new_tokens:
                 t0 = time.perf_counter()
-                tree = source.draft(session, since_last, self.max_nodes, step_seconds=step_seconds)
+                tree = source.draft(session, since_last, self.max_nodes, step_seconds=step_seconds,
+                                    plain_step_seconds=self.cost.plain_seconds())
                 if len(tree) > self.max_nodes:
                     tree = tree.prefix(self.max_nodes)
                 if self.adaptive and len(tree):

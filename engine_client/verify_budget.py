@@ -47,6 +47,20 @@ class StepCostModel:
         base = max(mean_t - per_node * mean_n, 1e-9)
         return base, per_node
 
+    def plain_seconds(self) -> float:
+        """Seconds of a plain decode step (one token, no draft node): ``t(0)``, the fitted line's base.
+
+        0 until the steps seen pin it down: steps of varied sizes (a real fit), or steps averaging under one
+        draft node (then t(0) is about their mean time). Before that the slope, and so t(0), would come
+        mostly from ``prior_ratio``, which is a guess, not a measurement.
+        """
+        if self._w == 0.0:
+            return 0.0
+        mean_n = self._sn / self._w
+        if self._snn / self._w - mean_n * mean_n < 4.0 and mean_n >= 1.0:
+            return 0.0
+        return self.line()[0]
+
 
 def best_prefix(probs: Sequence[float], base: float, per_node: float, min_nodes: int = 0) -> int:
     """Nodes to keep so that (1 + expected accepted) / step time is highest.

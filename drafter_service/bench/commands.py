@@ -17,8 +17,10 @@ from drafter_service.bench.datasets import DATASET_NAMES, Request, load_dataset,
 from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
 from drafter_service.bench.protocol import ReplayDrafter
 from drafter_service.bench.replay import CoreDrafter, ReplayResult, replay
+from drafter_service.bench.corpus_bench import add_corpus_bench
 from drafter_service.bench.e2e import add_e2e_bench
 from drafter_service.bench.serve_bench import add_serve_bench
+from drafter_service.bench.warm_bench import add_warm_bench
 from drafter_service.config import DrafterConfig
 from store.ngram_table import FrozenNGramTable
 
@@ -28,13 +30,14 @@ PEERS = ("prompt-lookup", "arctic", "arctic-f4")
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    """Register ``bench replay``, ``store``, ``serve`` and ``e2e`` under the ``bench`` command."""
+    """Register ``bench replay``, ``store``, ``serve``, ``e2e`` and ``corpus`` under the ``bench`` command."""
     bench = sub.add_parser("bench", help="measure acceptance and cost").add_subparsers(dest="bench", required=True)
     rp = bench.add_parser("replay", help="replay completed requests through drafter and peers")
     rp.add_argument("files", nargs="*", help="request JSONL files (request_id, prompt, output token ids)")
     rp.add_argument("--dataset", action="append", default=[], choices=DATASET_NAMES,
                     help="a built-in data set, tokenized with SmolLM2's tokenizer (repeatable)")
     rp.add_argument("--limit", type=int, default=None, help="requests per data set (default: each set's own)")
+    rp.add_argument("--skip", type=int, default=0, help="requests skipped first in each data set")
     rp.add_argument("--budget", type=int, action="append", default=[], help="tree budget in nodes (repeatable)")
     rp.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated peers among {', '.join(PEERS)}")
     rp.add_argument("--json", help="also write the results as JSON to this file")
@@ -43,6 +46,13 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("--frozen-corpus", help="also run drafter with a frozen table built from the outputs of this "
                     "data set or request file (requests --frozen-skip.. are used, to stay apart from the replay)")
     rp.add_argument("--frozen-skip", type=int, default=0, help="corpus requests skipped first")
+    rp.add_argument("--frozen-file", action="append", default=[], help="also run drafter with this frozen table "
+                    "(.npz from import-corpus --output or bench corpus --output; repeatable, with --frozen-corpus too)")
+    rp.add_argument("--warm-corpus", help="also run drafter and ArcticInference warmed (before the replay) with the "
+                    "completed requests [--warm-skip, --warm-skip + --warm-limit) of this data set or request file, "
+                    "as `drafter warm` fills a service from logs")
+    rp.add_argument("--warm-skip", type=int, default=0, help="warm requests skipped first")
+    rp.add_argument("--warm-limit", type=int, default=10000, help="warm requests used")
     rp.add_argument("--frozen-limit", type=int, default=10000, help="corpus requests used")
     rp.add_argument("--draft-model", help="also run drafter with this draft model (CARD cache: with correction, "
                     "without it, and without model-free sources)")
@@ -59,7 +69,9 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--budget", type=int, default=32)
     st.set_defaults(func=run_store)
     add_serve_bench(bench)
+    add_warm_bench(bench)
     add_e2e_bench(bench)
+    add_corpus_bench(bench)
 
 
 def _make_peer(name: str) -> ReplayDrafter | None:
@@ -74,10 +86,12 @@ def _make_peer(name: str) -> ReplayDrafter | None:
 
 
 def _datasets(args: argparse.Namespace) -> list[tuple[str, list[Request]]]:
-    sets = [(name, load_dataset(name, args.limit)) for name in args.dataset]
+    if args.skip < 0:
+        raise SystemExit("--skip must be >= 0")
+    stop = None if args.limit is None else args.skip + args.limit
+    sets = [(name, load_dataset(name, stop)[args.skip:]) for name in args.dataset]
     for path in args.files:
-        reqs = list(read_requests(path))
-        sets.append((path, reqs[:args.limit] if args.limit else reqs))
+        sets.append((path, list(read_requests(path))[args.skip:stop]))
     if not sets:
         raise SystemExit("give request files or --dataset NAME")
     return sets
@@ -89,18 +103,24 @@ def run_replay(args: argparse.Namespace) -> int:
     if any(b < 1 for b in budgets):
         raise SystemExit("--budget must be at least 1")
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-    frozen = _frozen_table(args) if args.frozen_corpus else None
+    frozen = {args.frozen_corpus: _frozen_table(args)} if args.frozen_corpus else {}
+    for path in args.frozen_file:
+        frozen[pathlib.Path(path).stem] = _frozen_file(path)
+    warm = _corpus(args.warm_corpus, args.warm_skip, args.warm_limit) if args.warm_corpus else None
     results: list[ReplayResult] = []
     for name, reqs in _datasets(args):
         for budget in budgets:
             drafters: list[ReplayDrafter] = [CoreDrafter()]
-            if frozen is not None:
-                warm = CoreDrafter(name="drafter+frozen")
-                warm.core.add_frozen(args.frozen_corpus, frozen)
-                drafters.append(warm)
+            if frozen:
+                with_frozen = CoreDrafter(name="drafter+frozen")
+                for table_name, table in frozen.items():
+                    with_frozen.core.add_frozen(table_name, table)
+                drafters.append(with_frozen)
             if args.draft_model:
                 drafters += _card_drafters(args, reqs)
             drafters += [d for d in map(_make_peer, peers) if d is not None]
+            if warm is not None:
+                drafters += _warmed_drafters(peers, warm)
             for drafter in drafters:
                 for label in (name, f"{name}-repeat") if args.repeat else (name,):
                     with tqdm(total=len(reqs), desc=f"{label} b={budget} {drafter.name}", unit="req",
@@ -144,16 +164,57 @@ def _token_counts(folder: str) -> np.ndarray | None:
     return np.load(path) if path.is_file() else None
 
 
+def _corpus(source: str, skip: int, limit: int) -> list[Request]:
+    """Requests [skip, skip + limit) of a data set or request file."""
+    stop = skip + limit
+    reqs = load_dataset(source, stop)[skip:stop] if source in DATASET_NAMES else list(read_requests(source))[skip:stop]
+    if not reqs:
+        raise SystemExit(f"no requests in {source} after skipping {skip}")
+    return reqs
+
+
+def _warmed_drafters(peers: Sequence[str], warm: Sequence[Request]) -> list[ReplayDrafter]:
+    """drafter, and ArcticInference when it is among the peers, filled with ``warm`` before the replay.
+
+    drafter takes them as the service's Ingest does (store, dynamic table, repeated-prompt cache, then an index
+    rebuild); a peer sees each as a request it served (start, extend with the whole output, end).
+    """
+    ours = CoreDrafter(name="drafter+warm")
+    for req in warm:
+        ours.core.add_document(np.concatenate([req.prompt, req.output]), prompt_len=int(req.prompt.size))
+    ours.core.store.rebuild("main")
+    out: list[ReplayDrafter] = [ours]
+    for name in peers:
+        if not name.startswith("arctic"):
+            continue
+        peer = _make_peer(name)
+        if peer is None:
+            continue
+        peer.name = f"{peer.name}+warm"
+        for i, req in enumerate(warm):
+            peer.start(f"warm-{i}", req.prompt.tolist())
+            peer.extend(f"warm-{i}", req.output.tolist())
+            peer.end(f"warm-{i}")
+        out.append(peer)
+    return out
+
+
+def _frozen_file(path: str) -> FrozenNGramTable:
+    """A frozen table saved as .npz by import-corpus or bench corpus."""
+    from store.frozen_table import load_npz
+
+    try:
+        table, source = load_npz(path)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"cannot read frozen table {path}: {exc}") from None
+    logger.warning("frozen table %s: %d leaders, %d followers (%s)", path, len(table), table.followers, source)
+    return table
+
+
 def _frozen_table(args: argparse.Namespace) -> FrozenNGramTable:
     """Frozen table from the outputs of corpus requests [skip, skip + limit)."""
     source = args.frozen_corpus
-    stop = args.frozen_skip + args.frozen_limit
-    if source in DATASET_NAMES:
-        reqs = load_dataset(source, stop)[args.frozen_skip:stop]
-    else:
-        reqs = list(read_requests(source))[args.frozen_skip:stop]
-    if not reqs:
-        raise SystemExit(f"no corpus requests in {source} after skipping {args.frozen_skip}")
+    reqs = _corpus(source, args.frozen_skip, args.frozen_limit)
     t0 = time.perf_counter()
     cfg = DrafterConfig()
     table = FrozenNGramTable.build((r.output for r in reqs), cfg.leader_len, cfg.follower_len,
@@ -167,17 +228,22 @@ def _is_ours(name: str) -> bool:
     return name.startswith("drafter")
 
 
+def _warmed(name: str) -> bool:
+    return name.endswith("+warm")
+
+
 def format_table(results: Sequence[ReplayResult]) -> str:
-    """Markdown table; ``vs best peer`` is drafter's MAT over the best peer's on the same set and budget."""
-    best: dict[tuple[str, int], float] = {}
+    """Markdown table; ``vs best peer`` is drafter's MAT over the best peer's on the same set and budget (warmed
+    variants against warmed peers, the others against the cold ones)."""
+    best: dict[tuple[str, int, bool], float] = {}
     for r in results:
         if not _is_ours(r.drafter):
-            key = (r.dataset, r.budget)
+            key = (r.dataset, r.budget, _warmed(r.drafter))
             best[key] = max(best.get(key, 0.0), r.mat)
     lines = ["| data set | budget | drafter | MAT | vs best peer | steps with a hit | nodes/step | p50 µs | p99 µs |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        peer = best.get((r.dataset, r.budget))
+        peer = best.get((r.dataset, r.budget, _warmed(r.drafter)))
         ratio = f"{r.mat / peer:.2f}×" if _is_ours(r.drafter) and peer else ""
         lines.append(f"| {r.dataset} | {r.budget} | {r.drafter} | {r.mat:.3f} | {ratio} | {r.hit_rate:.1%} | "
                      f"{r.mean_nodes:.1f} | {r.p50_us:.0f} | {r.p99_us:.0f} |")

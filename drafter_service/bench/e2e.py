@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 EOS = 2
 
 #: Methods in the order they run for each prompt (interleaved, so machine noise hits all alike).
-METHODS = ("greedy", "drafter", "card", "card-nocorr", "card-only", "hf", "hf-pld", "hf-assist")
+METHODS = ("greedy", "drafter", "drafter-repeat", "card", "card-nocorr", "card-only", "hf", "hf-pld", "hf-assist")
 
 #: Methods drafted by a service of their own, with the flags that service runs with.
 SERVICE_METHODS = {"drafter": (), "card": ("card",), "card-nocorr": ("card", "--card-correction", "0"),
@@ -57,7 +57,8 @@ def add_e2e_bench(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)} (card*: drafter with the draft model, "
                    "with CARD's correction, without it, and without model-free sources; hf-assist: transformers' "
-                   "assisted generation with the same draft model)")
+                   "assisted generation with the same draft model; drafter-repeat: the same prompt again on "
+                   "drafter's service right after drafter, a repeated request)")
     p.add_argument("--draft-model", default="", help=f"draft model folder (default: <cache>/{DEFAULT_DRAFT})")
     p.add_argument("--draft-threads", type=int, default=1, help="torch threads of the service's draft model")
     p.add_argument("--card-width", type=int, default=16, help="K of the draft model's cache")
@@ -143,7 +144,7 @@ def run_workload(dataset: str, args: argparse.Namespace, model: object, addresse
     from engine_client.draft_source import NoDrafts
     from engine_client.engine import ReferenceEngine
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = sorted((m.strip() for m in args.methods.split(",") if m.strip()), key=METHODS.index)
     warm = load_prompts(dataset, args.warm)
     measured = load_prompts(dataset, args.requests, skip=args.warm)
     result = WorkloadResult(dataset)
@@ -172,6 +173,8 @@ def run_workload(dataset: str, args: argparse.Namespace, model: object, addresse
                     run = engine_run(plain, p.token_ids)
                 elif method in engines:
                     run = engine_run(engines[method], p.token_ids)
+                elif method == "drafter-repeat":  # drafter's service has just stored this prompt's answer
+                    run = engine_run(engines["drafter"], p.token_ids)
                 else:
                     kwargs: dict[str, object] = {}
                     if method == "hf-pld":
@@ -263,6 +266,8 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise SystemExit(f"unknown methods {sorted(unknown)}; choose among {', '.join(METHODS)}")
+    if "drafter-repeat" in methods and "drafter" not in methods:
+        raise SystemExit("drafter-repeat repeats drafter's requests: list drafter too")
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     model = load_smollm2(dtype)

@@ -70,7 +70,8 @@ class ServiceProcess:
     def start(self) -> float:
         """Start and return the seconds until it answers health checks as SERVING."""
         exe = str(Path(sys.executable).parent / "drafter")
-        env = {**os.environ, "DRAFTER_VOCAB_SIZE": "49152", "DRAFTER_CAPACITY": str(self.capacity)}
+        env = {**os.environ, "DRAFTER_VOCAB_SIZE": "49152", "DRAFTER_CAPACITY": str(self.capacity),
+               "DRAFTER_HTTP_ADDRESS": ""}  # no dashboard: the bench measures gRPC, beside any running service
         t0 = time.monotonic()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.data_dir / "serve.log", "wb") as log:

@@ -305,7 +305,8 @@ def wait_serving(address: str, timeout: float = 60.0) -> None:
 
 
 def start_serve(data_dir: Path, port: int) -> subprocess.Popen:
-    env = {**os.environ, "DRAFTER_VOCAB_SIZE": str(VOCAB), "DRAFTER_CAPACITY": "200000"}
+    env = {**os.environ, "DRAFTER_VOCAB_SIZE": str(VOCAB), "DRAFTER_CAPACITY": "200000",
+           "DRAFTER_HTTP_ADDRESS": "127.0.0.1:0"}
     proc = subprocess.Popen([DRAFTER, "serve", "--address", f"127.0.0.1:{port}", "--data-dir", str(data_dir),
                              "--snapshot-interval", "3600"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

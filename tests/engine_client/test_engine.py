@@ -70,15 +70,17 @@ class OracleSource:
         self.calls: list[tuple[list[int], int, float]] = []
         self.ended: list[int] | None = None
         self.trees: list[DraftTree] = []
+        self.plain: list[float] = []
 
     def start(self, prompt, max_nodes=0):
         assert list(prompt) == PROMPT
-        self.pos, self.calls, self.ended, self.trees = 0, [], None, []
+        self.pos, self.calls, self.ended, self.trees, self.plain = 0, [], None, [], []
         return "oracle"
 
-    def draft(self, session, accepted, max_nodes=0, step_seconds=0.0):
+    def draft(self, session, accepted, max_nodes=0, step_seconds=0.0, plain_step_seconds=0.0):
         assert session == "oracle"
         self.calls.append((list(accepted), max_nodes, step_seconds))
+        self.plain.append(plain_step_seconds)
         self.pos += len(accepted)
         tree = self.shape(self.truth[self.pos:])
         tree.check_invariants()
@@ -215,7 +217,7 @@ class AnyPromptOracle(OracleSource):
         return DraftTree((wrong(up[0]), *up[:3]), (-1, -1, 1, 2), (1.0,) * 4, 4.0)
 
     def start(self, prompt, max_nodes=0):
-        self.pos, self.calls, self.ended, self.trees = 0, [], None, []
+        self.pos, self.calls, self.ended, self.trees, self.plain = 0, [], None, [], []
         return "oracle"
 
 
@@ -241,6 +243,23 @@ def test_step_seconds_report_the_previous_verification():
     for s, reported in zip(result.steps, secs[1:]):
         assert reported == pytest.approx(s.verify_seconds)
         assert s.seconds >= s.draft_seconds >= 0
+
+
+def test_plain_step_seconds_report_the_cost_fit_at_each_call():
+    model, truth = model_and_truth("llama-sdpa")
+    source = OracleSource(truth, lambda up: chain(up[:len(up) % 7]))  # trees of 0 to 6 nodes
+    engine = ReferenceEngine(model, source, device="cpu")
+    given = []
+    plain_seconds = engine.cost.plain_seconds
+
+    def recorded():
+        given.append(plain_seconds())
+        return given[-1]
+
+    engine.cost.plain_seconds = recorded
+    engine.generate(PROMPT, MAX_NEW)
+    assert source.plain == given and given[0] == 0.0  # nothing measured before the first step
+    assert any(p > 0 for p in given)
 
 
 def test_protocol_and_device_defaults():

@@ -22,6 +22,26 @@ def test_without_variety_the_prior_slope_runs_through_the_mean():
     assert base == pytest.approx(0.050) and per_node == pytest.approx(0.025 / 32)
 
 
+def test_plain_step_time_is_the_fitted_base_once_the_steps_pin_it_down():
+    model = StepCostModel(decay=1.0)
+    assert model.plain_seconds() == 0.0  # nothing seen
+    for _ in range(3):
+        model.observe(32, 0.075)
+    assert model.plain_seconds() == 0.0  # one size only: t(0) would come from the prior
+    for n in [0, 8, 16]:
+        model.observe(n, 0.050 + 0.001 * n)
+    # least squares over (32, .075) x3, (0, .050), (8, .058), (16, .066), by hand: t(0) = mean_t - slope * mean_n
+    ns, ts = [32, 32, 32, 0, 8, 16], [0.075] * 3 + [0.050, 0.058, 0.066]
+    mean_n, mean_t = sum(ns) / 6, sum(ts) / 6
+    slope = (sum(n * t for n, t in zip(ns, ts)) / 6 - mean_n * mean_t) / (sum(n * n for n in ns) / 6 - mean_n ** 2)
+    assert model.plain_seconds() == pytest.approx(mean_t - slope * mean_n, rel=1e-9)
+    assert model.plain_seconds() == model.line()[0]
+    plain = StepCostModel(decay=1.0)
+    for t in (0.020, 0.022):
+        plain.observe(0, t)  # plain steps only: their mean
+    assert plain.plain_seconds() == pytest.approx(0.021)
+
+
 @pytest.mark.parametrize("probs, base, per_node, expected", [
     ([0.9, 0.8, 0.7, 0.05, 0.01], 1.0, 0.1, 3),    # (1 + 2.4) / 1.3 beats every other prefix
     ([0.9, 0.8, 0.7, 0.05, 0.01], 1.0, 0.0, 5),    # free nodes: keep them all

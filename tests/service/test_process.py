@@ -42,7 +42,8 @@ def wait_serving(address: str, timeout: float = 60.0) -> None:
 
 
 def start(data_dir: Path, port: int, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "DRAFTER_VOCAB_SIZE": "1000", "DRAFTER_CAPACITY": "200000"}
+    env = {**os.environ, "DRAFTER_VOCAB_SIZE": "1000", "DRAFTER_CAPACITY": "200000",
+           "DRAFTER_HTTP_ADDRESS": "127.0.0.1:0"}
     proc = subprocess.Popen([DRAFTER, "serve", "--address", f"127.0.0.1:{port}", "--data-dir", str(data_dir),
                              "--snapshot-interval", "3600", *extra], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -110,7 +111,7 @@ def test_sigterm_saves_the_dynamic_table(tmp_path):
 def test_make_run_starts_a_service_that_answers_health_checks(tmp_path):
     port = free_port()
     env = {**os.environ, "DRAFTER_ADDRESS": f"127.0.0.1:{port}", "DRAFTER_DATA_DIR": str(tmp_path / "data"),
-           "DRAFTER_CAPACITY": "100000"}
+           "DRAFTER_CAPACITY": "100000", "DRAFTER_HTTP_ADDRESS": "127.0.0.1:0"}
     proc = subprocess.Popen(["make", "--no-print-directory", "run"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -118,4 +119,4 @@ def test_make_run_starts_a_service_that_answers_health_checks(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-    assert "drafter serving on port" in out
+    assert "drafter serving on port" in out and "dashboard and /metrics on http://127.0.0.1:" in out
