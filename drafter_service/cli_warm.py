@@ -41,7 +41,8 @@ def add_warm_command(sub: argparse._SubParsersAction) -> None:
     wp.add_argument("--restart", action="store_true", help="ignore checkpoints: read every file from its start "
                     "(requests already stored are still skipped)")
     wp.add_argument("--watch", action="store_true", help="keep running: warm new and grown files every --interval")
-    wp.add_argument("--interval", type=float, default=10.0, help="seconds between scans with --watch (default %(default)s)")
+    wp.add_argument("--interval", type=float, default=10.0,
+                    help="seconds between scans with --watch (default %(default)s)")
     wp.add_argument("--no-progress", action="store_true", help="no progress bars")
     wp.set_defaults(func=run_warm)
 
