@@ -14,9 +14,9 @@ import numpy as np
 from drafter_service.config import DrafterConfig
 from drafter_service.drafter import Drafter
 from drafter_service.errors import InvalidArgument, Unavailable
+from drafter_service.frozen_tables import FrozenTables
 from drafter_service.tree import EMPTY_TREE, DraftTree
 from store.request_log import SeenKeys
-from drafter_service.frozen_tables import FrozenTables
 
 if TYPE_CHECKING:
     from drafter_service.card import DraftModelDrafts
