@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from drafter_service.cli_client import add_client_flags, security_from_args
 from drafter_service.config import DrafterConfig
 from drafter_service.service_config import ServiceConfig
 
@@ -43,6 +44,7 @@ def add_corpus_commands(sub: argparse._SubParsersAction) -> None:
     ip.add_argument("--output", help="also save the table to this .npz file")
     ip.add_argument("--no-upload", action="store_true", help="do not send the table to the service")
     ip.add_argument("--report-json", help="also write the build's figures as JSON to this file")
+    add_client_flags(ip)
     ip.set_defaults(func=run_import_corpus)
 
     fp = sub.add_parser("frozen", help="the frozen tables of a running service").add_subparsers(
@@ -51,11 +53,13 @@ def add_corpus_commands(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--namespace", default="", help="namespace (default: default)")
     ls.add_argument("--address", default=_ADDRESS, help="service address")
     ls.add_argument("--json", action="store_true", help="print JSON")
+    add_client_flags(ls)
     ls.set_defaults(func=run_frozen_list)
     rm = fp.add_parser("remove", help="delete a frozen table and stop drafting from it")
     rm.add_argument("name")
     rm.add_argument("--namespace", default="", help="namespace (default: default)")
     rm.add_argument("--address", default=_ADDRESS, help="service address")
+    add_client_flags(rm)
     rm.set_defaults(func=run_frozen_remove)
 
 
@@ -79,9 +83,10 @@ def run_import_corpus(args: argparse.Namespace) -> int:
     if args.no_upload and not args.output and not args.report_json:
         logger.warning("--no-upload without --output: the table is built and dropped")
     namespace_vocab = None
+    security = security_from_args(args)
     if not args.no_upload:  # fail before the build when the service or the namespace is not there
         try:
-            namespace_vocab = int(stats(args.address, args.namespace)["vocab_size"])
+            namespace_vocab = int(stats(args.address, args.namespace, security=security)["vocab_size"])
         except grpc.RpcError as exc:
             raise _rpc_error(exc, args.address) from None
     tokenizer = None
@@ -121,7 +126,8 @@ def run_import_corpus(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         with tqdm(total=len(table), desc="sending", unit="leader", file=sys.stderr) as bar:
-            info = put_frozen_table(args.address, args.name, table, args.namespace, source, progress=bar.update)
+            info = put_frozen_table(args.address, args.name, table, args.namespace, source, progress=bar.update,
+                                    security=security)
     except grpc.RpcError as exc:
         raise _rpc_error(exc, args.address) from None
     print(f"stored frozen table {info['name']!r} in namespace {args.namespace or 'default'!r}: "
@@ -144,7 +150,7 @@ def run_frozen_list(args: argparse.Namespace) -> int:
     from engine_client.admin import list_frozen_tables
 
     try:
-        tables = list_frozen_tables(args.address, args.namespace)
+        tables = list_frozen_tables(args.address, args.namespace, security=security_from_args(args))
     except grpc.RpcError as exc:
         raise _rpc_error(exc, args.address) from None
     if args.json:
@@ -166,7 +172,7 @@ def run_frozen_remove(args: argparse.Namespace) -> int:
     from engine_client.admin import remove_frozen_table
 
     try:
-        removed = remove_frozen_table(args.address, args.name, args.namespace)
+        removed = remove_frozen_table(args.address, args.name, args.namespace, security=security_from_args(args))
     except grpc.RpcError as exc:
         raise _rpc_error(exc, args.address) from None
     print(f"removed frozen table {args.name!r}" if removed else f"no frozen table {args.name!r}")

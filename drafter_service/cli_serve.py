@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
+from drafter_service.cli_client import add_client_flags, security_from_args
 from drafter_service.config import CardSettings, DrafterConfig
 from drafter_service.service_config import DraftModelSpec, NamespaceSpec, ServiceConfig
 
@@ -50,10 +51,31 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
     _flag(sp, "--leader-capacity", int, _CORE.leader_capacity, "dynamic n-gram table: most leaders (LC)")
     _flag(sp, "--follower-capacity", int, _CORE.follower_capacity, "dynamic n-gram table: followers per leader (FC)")
     _flag(sp, "--rebuild-interval", float, _DEFAULTS.rebuild_interval_s, "seconds between index rebuild checks")
+    _flag(sp, "--rebuild-in-subprocess", int, int(_DEFAULTS.rebuild_in_subprocess), "1: build suffix indexes in a "
+          "child process, so serving keeps the GIL; 0: in the serving process")
     _flag(sp, "--snapshot-interval", float, _DEFAULTS.snapshot_interval_s, "seconds between table snapshots")
     _flag(sp, "--max-message-bytes", int, _DEFAULTS.max_message_bytes, "gRPC message size limit")
     _flag(sp, "--max-sessions", int, _DEFAULTS.max_sessions, "most live sessions")
     _flag(sp, "--workers", int, _DEFAULTS.workers, "gRPC worker threads")
+    _flag(sp, "--max-streams", int, 0, "most streaming calls (DraftStream, PutFrozenTable, health "
+          "Watch) open at once, below --workers (more are refused with RESOURCE_EXHAUSTED; 0: three quarters of "
+          "--workers)")
+    _flag(sp, "--max-concurrent-rpcs", int, 0, "most calls in progress at once, above --max-streams (more are refused "
+          "with RESOURCE_EXHAUSTED; 0: eight times --workers)")
+    _flag(sp, "--max-request-tokens", int, _DEFAULTS.max_request_tokens, "most tokens in one prompt, one accepted "
+          "list, one ingested prompt or output, and one session's output in all")
+    _flag(sp, "--max-nodes-limit", int, _DEFAULTS.max_nodes_limit, "largest tree budget a client may ask for")
+    _flag(sp, "--max-ingest-requests", int, _DEFAULTS.max_ingest_requests, "most requests in one Ingest call")
+    _flag(sp, "--max-sessions-per-client", int, _DEFAULTS.max_sessions_per_client, "most live sessions of one "
+          "client (its bearer token, else its address); more are refused with RESOURCE_EXHAUSTED (0: no limit)")
+    _flag(sp, "--namespace-tokens", str, "", "namespaces that need a bearer token, as NAMESPACE=TOKEN or "
+          "NAMESPACE=@FILE (the token read from a file)[,...]")
+    _flag(sp, "--admin-token", str, "", "a token (or @FILE) that grants every namespace and the HTTP pages")
+    _flag(sp, "--http-token", str, "", "a token (or @FILE) for the dashboard, its API and /metrics (required, or "
+          "--admin-token, when any namespace has a token)")
+    _flag(sp, "--tls-cert", str, "", "PEM certificate chain of the server: serve TLS (with --tls-key)")
+    _flag(sp, "--tls-key", str, "", "PEM private key of --tls-cert")
+    _flag(sp, "--tls-client-ca", str, "", "PEM CA that client certificates must be signed by: mutual TLS")
     _flag(sp, "--http-address", str, _DEFAULTS.http_address, "dashboard, /metrics and JSON API listen address "
           "('' for none)")
     _flag(sp, "--metrics-interval", float, _DEFAULTS.metrics_interval_s, "seconds between metric points kept "
@@ -65,6 +87,16 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
           "logs in --warm-dir")
     _flag(sp, "--warm-interval", float, _DEFAULTS.warm_interval_s, "seconds between scans of --warm-dir")
     _flag(sp, "--warm-namespace", str, _DEFAULTS.warm_namespace, "namespace --warm-dir is warmed into")
+    _flag(sp, "--replica-id", str, _DEFAULTS.replica_id, "this replica's name in logs and metrics ('': host "
+          "name and process id)")
+    _flag(sp, "--follow-log", str, _DEFAULTS.follow_log, "on: follow the request logs and frozen-table changes "
+          "other replicas write to the same Redis; off: only restore at start; auto: on with --redis-url")
+    _flag(sp, "--spool-dir", str, _DEFAULTS.spool_dir, "folder of the spool that holds acknowledged requests while "
+          "Redis cannot take them ('': DATA_DIR/spool)")
+    _flag(sp, "--spool-max-bytes", int, _DEFAULTS.spool_max_bytes, "bound on each namespace's spool file; beyond it "
+          "requests are refused with UNAVAILABLE (0: no spool)")
+    _flag(sp, "--spool-drain-interval", float, _DEFAULTS.spool_drain_interval_s, "seconds between attempts to move "
+          "spooled requests to Redis (and persistence health checks)")
     _flag(sp, "--sources", str, "session,store,dynamic,frozen,repeat", "model-free sources to draft from "
           "(comma-separated; 'none' for the draft model alone)")
     _flag(sp, "--draft-model", str, "", "optional draft model(s) as [NAMESPACE=]PATH[,...] (CARD query-and-correct)")
@@ -89,11 +121,13 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
     _flag(ip, "--address", str, _DEFAULTS.address, "service address")
     ip.add_argument("--namespace", default="", help="target namespace (default: default)")
     ip.add_argument("--batch", type=int, default=256, help="requests per Ingest call")
+    add_client_flags(ip)
     ip.set_defaults(func=run_ingest)
 
     st = sub.add_parser("stats", help="print a running service's statistics")
     _flag(st, "--address", str, _DEFAULTS.address, "service address")
     st.add_argument("--namespace", default="", help="namespace (default: default)")
+    add_client_flags(st)
     st.set_defaults(func=run_stats)
 
 
@@ -114,12 +148,30 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                                        threads=args.draft_threads, card=card)
     return ServiceConfig(address=args.address, data_dir=args.data_dir, redis_url=args.redis_url, namespaces=specs,
                          default_vocab_size=args.vocab_size, drafter=core, rebuild_interval_s=args.rebuild_interval,
+                         rebuild_in_subprocess=bool(args.rebuild_in_subprocess),
                          snapshot_interval_s=args.snapshot_interval, max_message_bytes=args.max_message_bytes,
                          max_sessions=args.max_sessions, workers=args.workers, draft_models=drafts,
+                         max_streams=args.max_streams, max_concurrent_rpcs=args.max_concurrent_rpcs,
+                         max_request_tokens=args.max_request_tokens, max_nodes_limit=args.max_nodes_limit,
+                         max_ingest_requests=args.max_ingest_requests,
                          http_address=args.http_address, metrics_interval_s=args.metrics_interval,
                          metrics_history=args.metrics_history, warm_dir=args.warm_dir,
                          warm_tokenizer=args.warm_tokenizer, warm_interval_s=args.warm_interval,
-                         warm_namespace=args.warm_namespace)
+                         warm_namespace=args.warm_namespace, replica_id=args.replica_id,
+                         spool_dir=args.spool_dir, spool_max_bytes=args.spool_max_bytes,
+                         spool_drain_interval_s=args.spool_drain_interval,
+                         follow_log=args.follow_log, **_tenant_settings(args))
+
+
+def _tenant_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """ServiceConfig fields of the token, TLS and per-client flags (token files are read here)."""
+    from drafter_service.auth import parse_namespace_tokens, read_secret
+
+    return {"namespace_tokens": parse_namespace_tokens(args.namespace_tokens),
+            "admin_token": read_secret(args.admin_token, "--admin-token") if args.admin_token else "",
+            "http_token": read_secret(args.http_token, "--http-token") if args.http_token else "",
+            "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
+            "max_sessions_per_client": args.max_sessions_per_client}
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -171,7 +223,8 @@ def run_ingest(args: argparse.Namespace) -> int:
     from engine_client.admin import ingest_file
 
     try:
-        n, tokens, bad = ingest_file(args.address, args.file, args.namespace, args.batch, progress=True)
+        n, tokens, bad = ingest_file(args.address, args.file, args.namespace, args.batch, progress=True,
+                                     security=security_from_args(args))
     except WarmError as exc:
         raise SystemExit(str(exc)) from None
     print(f"ingested {n} requests ({tokens} tokens); {bad} malformed lines skipped")
@@ -180,7 +233,13 @@ def run_ingest(args: argparse.Namespace) -> int:
 
 def run_stats(args: argparse.Namespace) -> int:
     """Print GetStats as JSON."""
+    import grpc
+
     from engine_client.admin import stats
 
-    print(json.dumps(stats(args.address, args.namespace), indent=1))
+    try:
+        reply = stats(args.address, args.namespace, security=security_from_args(args))
+    except grpc.RpcError as exc:
+        raise SystemExit(f"service at {args.address}: {exc.code().name}: {exc.details()}") from None
+    print(json.dumps(reply, indent=1))
     return 0

@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+from drafter_service.cli_client import add_client_flags, security_from_args
 from drafter_service.service_config import ServiceConfig
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ def add_warm_command(sub: argparse._SubParsersAction) -> None:
     wp.add_argument("--interval", type=float, default=10.0,
                     help="seconds between scans with --watch (default %(default)s)")
     wp.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_client_flags(wp)
     wp.set_defaults(func=run_warm)
 
 
@@ -87,7 +89,7 @@ def run_warm(args: argparse.Namespace) -> int:
     tokenizer = _load_tokenizer(args)
     try:
         log_files(args.paths)  # a missing path is reported before connecting
-        sink = GrpcSink(args.address, args.namespace)
+        sink = GrpcSink(args.address, args.namespace, security=security_from_args(args))
     except WarmError as exc:
         raise SystemExit(str(exc)) from None
     if tokenizer is not None and tokenizer.vocab_size > sink.vocab_size:

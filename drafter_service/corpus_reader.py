@@ -204,8 +204,8 @@ class CorpusReader:
                     continue
                 try:
                     docs = documents_of(json.loads(line), self.options)
-                except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-                    self._problem(path, line_no, str(exc))
+                except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # JSONDecodeError is a ValueError;
+                    self._problem(path, line_no, str(exc))  # RecursionError: JSON nested too deeply
                     yield None, len(line)
                     continue
                 yield None, len(line)
@@ -215,13 +215,14 @@ class CorpusReader:
     def _text(self, path: pathlib.Path) -> Iterator[tuple[Document | None, int]]:
         """A text file as one document, read in pieces cut after a line end (or else between characters)."""
         with open(path, "rb") as f:
+            if b"\0" in f.read(8192):  # whatever the piece size
+                self._problem(path, 0, "binary file (it holds NUL bytes)")
+                yield None, path.stat().st_size
+                return
+            f.seek(0)
             carry, first = b"", True
             while True:
                 block = f.read(self.options.piece_bytes)
-                if first and b"\0" in block[:8192]:
-                    self._problem(path, 0, "binary file (it holds NUL bytes)")
-                    yield None, path.stat().st_size
-                    return
                 data = carry + block
                 cut = len(data) if not block else _cut(data)
                 piece, carry = data[:cut], data[cut:]
@@ -235,7 +236,10 @@ class CorpusReader:
 
 
 def _cut(data: bytes) -> int:
-    """Where to end a piece of ``data``: after its last line end, else before a trailing partial character."""
+    """Where to end a piece of ``data``: after its last line end, else before a trailing partial character.
+
+    0 when ``data`` is no more than the start of one character: the caller reads on.
+    """
     cut = data.rfind(b"\n") + 1
     if cut:
         return cut
@@ -244,4 +248,4 @@ def _cut(data: bytes) -> int:
         cut -= 1
     if cut > 0 and data[cut - 1] >= 0xC0:  # ... and the lead byte they belong to
         cut -= 1
-    return cut or len(data)
+    return cut

@@ -211,17 +211,23 @@ class Drafter:
         ids = self.tokens(accepted, "accepted")
         return np.concatenate([sess.tokens, ids])
 
-    def end(self, session_id: str, accepted: Sequence[int] | np.ndarray = ()) -> DraftSession:
-        """Close a session, appending its final tokens, and ingest prompt + output into the store."""
+    def end(self, session_id: str, accepted: Sequence[int] | np.ndarray = (),
+            document: np.ndarray | None = None) -> DraftSession:
+        """Close a session, appending its final tokens, and ingest prompt + output into the store.
+
+        ``document`` (from ``closing_document``, already stored durably) is what the store takes instead of the
+        session's tokens, so that a Draft call racing with the end cannot make memory differ from the durable log.
+        """
         sess = self.session(session_id)
         if len(accepted):
             self.extend(session_id, accepted)
         with self._sessions_lock:
             self.sessions.pop(session_id, None)
         self._close_card(sess)
-        self.store.append(sess.tokens)
+        doc = sess.tokens if document is None else document
+        self.store.append(doc)
         if self.config.use_repeat:
-            self.repeats.remember(sess.tokens[:sess.prompt_len], sess.tokens[sess.prompt_len:])
+            self.repeats.remember(doc[:sess.prompt_len], doc[sess.prompt_len:])
         return sess
 
     def _close_card(self, sess: DraftSession) -> None:

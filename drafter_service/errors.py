@@ -26,3 +26,11 @@ class Unavailable(DrafterError):
 
 class ResourceExhausted(DrafterError):
     """A configured limit (sessions, sizes) is reached."""
+
+
+class Unauthenticated(DrafterError):
+    """No credentials, malformed ones, or a token the service does not know."""
+
+
+class PermissionDenied(DrafterError):
+    """Valid credentials that do not grant what was asked for (another tenant's namespace)."""

@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 MAX_SOURCE_CHARS = 1024
 """Longest corpus description kept with a table."""
+_SAME = ("saved_at", "source", "leaders", "followers")
+"""Header fields that tell two stored versions of a table apart."""
 
 
 class FrozenTables:
@@ -128,6 +130,48 @@ class FrozenTables:
                     raise Unavailable(f"could not delete frozen table {name!r}: {exc}") from exc
             self.info.pop(name, None)
             return self.drafter.remove_frozen(name) or stored
+
+    def sync(self) -> list[str]:
+        """Make the drafted tables match the stored ones, which another replica may have put, replaced or removed.
+
+        A table is (re)loaded when its stored header differs from the one held, and dropped when it is no
+        longer stored; one that cannot be used is logged and left out, as at start.
+
+        Returns:
+            Names of the tables loaded or dropped.
+
+        Raises:
+            PersistenceUnavailable: Redis cannot be reached (nothing changes).
+        """
+        p = self.persistence
+        if p is None:
+            return []
+        from store.persistence import PersistenceError, PersistenceUnavailable
+
+        changed = []
+        with self._lock:
+            stored = p.list_frozen()
+            for name in stored:
+                header = p.frozen_header(name)
+                mine = self.info.get(name)
+                if header is None or (mine is not None and all(mine.get(k) == header.get(k) for k in _SAME)):
+                    continue
+                try:
+                    table, header = p.load_frozen_table(name)
+                    self._check(name, table)
+                except PersistenceUnavailable:
+                    raise
+                except (KeyError, PersistenceError, InvalidArgument) as exc:
+                    logger.error("namespace %s: frozen table %s not loaded: %s", self.namespace, name, exc)
+                    continue
+                self.drafter.add_frozen(name, table)
+                self.info[name] = header
+                changed.append(name)
+            for name in sorted(set(self.info) - set(stored)):
+                self.info.pop(name, None)
+                self.drafter.remove_frozen(name)
+                changed.append(name)
+        return changed
 
     def list(self) -> list[dict]:
         """Headers of the tables drafts use, by name."""

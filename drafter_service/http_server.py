@@ -10,14 +10,17 @@ import socket
 import threading
 import time
 from http import HTTPStatus
+from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from prometheus_client import CollectorRegistry
 
+from drafter_service.auth import HttpAuth
 from drafter_service.metrics import CONTENT_TYPE_LATEST, exposition, metrics_registry
+from drafter_service.persistence_health import health_report
 from drafter_service.service_config import DEFAULT_NAMESPACE
 from drafter_service.timeseries import downsample
 
@@ -33,6 +36,11 @@ _ASSET_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _SERIES_PARAMS = {"namespace", "since", "limit", "max_points"}
 MAX_LIMIT = 500_000
 """Most points one /api/series call reads."""
+TOKEN_COOKIE = "drafter_token"
+"""Cookie set when the page is opened with ``?token=``, so its own API calls carry the token."""
+_TOKEN_PARAM = re.compile(r"([?&]token=)[^&\s\"]*")
+PUBLIC_PATHS = frozenset({"/healthz"})
+"""Paths served without a token (/healthz then answers only its overall status)."""
 
 
 class HttpError(Exception):
@@ -68,13 +76,20 @@ class DashboardServer:
         /api/series         {"namespace", "points": [...], "now"}; query: namespace (default "default"),
                             since (ms, exclusive, default 0), limit (newest points, default 20000),
                             max_points (merge runs of points down to this many; 0 keeps them all)
-        /healthz            {"status": "ok", "persistence_healthy": {namespace: bool}}
+        /healthz            {"status": "ok" or "degraded", "persistence_healthy": {namespace: bool},
+                            "spooled_requests": {namespace: int}} (degraded: Redis away or requests spooled)
     Bad query parameters answer 400, an unknown namespace or path 404, other methods 405; always JSON.
+
+    With ``auth`` requiring a token, every path but /healthz needs it (401 otherwise) as
+    ``Authorization: Bearer <token>``, a ``token`` query parameter (which also sets an HttpOnly cookie, so the
+    page's own API calls carry it) or that cookie; /healthz without it answers only ``{"status": ...}``.
     """
 
     def __init__(self, service: "DrafterService", rollup: "MetricsRollup", address: str,
-                 registry: CollectorRegistry | None = None, interval_s: float = 5.0) -> None:
+                 registry: CollectorRegistry | None = None, interval_s: float = 5.0,
+                 auth: HttpAuth | None = None) -> None:
         self.service = service
+        self.auth = auth if auth is not None else HttpAuth()
         self.rollup = rollup
         self.registry = registry if registry is not None else metrics_registry(service)
         self.interval_s = float(interval_s)
@@ -121,12 +136,16 @@ class DashboardServer:
 
     # -- routes ---------------------------------------------------------------------------------------
 
-    def route(self, path: str, query: dict[str, list[str]]) -> tuple[HTTPStatus, bytes, str]:
-        """(status, body, content type) for a GET of ``path``.
+    def route(self, path: str, query: dict[str, list[str]], authorized: bool = True
+              ) -> tuple[HTTPStatus, bytes, str]:
+        """(status, body, content type) for a GET of ``path`` (``authorized``: the request's token is good).
 
         Raises:
             HttpError: refused requests.
         """
+        if not authorized and path not in PUBLIC_PATHS:
+            raise HttpError(HTTPStatus.UNAUTHORIZED, "this page needs the HTTP or admin token: send "
+                            "'Authorization: Bearer <token>' or open it with ?token=<token>")
         if path == "/metrics":
             return HTTPStatus.OK, exposition(self.registry), CONTENT_TYPE_LATEST
         if path in ("/", "/index.html"):
@@ -139,9 +158,10 @@ class DashboardServer:
         if path == "/api/series":
             return self._json(self.series(query))
         if path == "/healthz":
-            health = {name: bool(ns.persistence.ping()) if ns.persistence is not None else True
-                      for name, ns in self.service.namespaces.items()}
-            return self._json({"status": "ok", "persistence_healthy": health})
+            report = health_report(self.service)
+            if not authorized:  # namespace names and their health stay private
+                return self._json({"status": report["status"]})
+            return self._json(report)
         raise HttpError(HTTPStatus.NOT_FOUND, f"no such path {path!r}")
 
     def series(self, query: dict[str, list[str]]) -> dict:
@@ -211,19 +231,40 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_POST = do_PUT = do_DELETE = do_PATCH = _refuse
 
+    def _token(self, query: dict[str, list[str]]) -> tuple[str | None, bool]:
+        """(the request's token or None, whether it came as ``?token=``); the parameter leaves ``query``."""
+        given = query.pop("token", None)
+        if given:
+            return given[-1], True
+        header = self.headers.get("Authorization") or ""
+        if header[:7].lower() == "bearer ":
+            return header[7:].strip(), False
+        try:
+            cookie = SimpleCookie(self.headers.get("Cookie") or "").get(TOKEN_COOKIE)
+        except CookieError:
+            cookie = None
+        return (unquote(cookie.value) if cookie is not None else None), False
+
     def _answer(self, body: bool) -> None:
         url = urlsplit(self.path)
+        headers: dict[str, str] = {}
         try:
             query = parse_qs(url.query, keep_blank_values=True, strict_parsing=False)
-            status, payload, kind = self.server.app.route(url.path, query)
+            token, from_query = self._token(query)
+            authorized = self.server.app.auth.allows(token)
+            if authorized and from_query and self.server.app.auth.required:
+                headers["Set-Cookie"] = f"{TOKEN_COOKIE}={quote(token, safe='')}; Path=/; HttpOnly; SameSite=Strict"
+            status, payload, kind = self.server.app.route(url.path, query, authorized)
         except HttpError as exc:
             status, payload, kind = exc.status, json.dumps({"error": str(exc)}).encode(), "application/json"
+            if status == HTTPStatus.UNAUTHORIZED:
+                headers["WWW-Authenticate"] = 'Bearer realm="drafter"'
         except Exception:
-            logger.exception("HTTP %s failed", self.path)
+            logger.exception("HTTP %s failed", url.path)
             status, payload, kind = (HTTPStatus.INTERNAL_SERVER_ERROR,
                                      json.dumps({"error": "internal error; see the service log"}).encode(),
                                      "application/json")
-        self._send(status, payload, kind, body)
+        self._send(status, payload, kind, body, headers)
 
     def _send(self, status: HTTPStatus, payload: bytes, kind: str, body: bool,
               headers: dict[str, str] | None = None) -> None:
@@ -238,4 +279,4 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(payload)
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
-        logger.debug("%s " + format, self.address_string(), *args)
+        logger.debug("%s %s", self.address_string(), _TOKEN_PARAM.sub(r"\1***", format % args))  # no tokens logged

@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import grpc
 
-from drafter_service.errors import (AlreadyExists, DrafterError, InvalidArgument, NotFound, ResourceExhausted,
-                                    Unavailable)
+from drafter_service.errors import (AlreadyExists, DrafterError, InvalidArgument, NotFound, PermissionDenied,
+                                    ResourceExhausted, Unauthenticated, Unavailable)
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +18,8 @@ STATUS = {
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 

@@ -26,12 +26,14 @@ def _logged(name: str, fn: Callable[[], None]) -> Callable[[], None]:
 
 def start_jobs(service: DrafterService, rebuild_interval_s: float, snapshot_interval_s: float,
                health: Callable[[], None] | None = None, metrics: Callable[[], object] | None = None,
-               metrics_interval_s: float = 5.0, warm: "FolderWatch | None" = None) -> BackgroundScheduler:
+               metrics_interval_s: float = 5.0, warm: "FolderWatch | None" = None,
+               health_interval_s: float = 2.0) -> BackgroundScheduler:
     """Start the scheduler: rebuild due suffix indexes, snapshot tables, check health, roll up metrics.
 
     Each job runs at most once at a time and coalesces missed runs. ``metrics`` (``MetricsRollup.roll``), when
-    given, runs every ``metrics_interval_s`` seconds. ``warm`` (``drafter serve --warm-dir``) scans its folder
-    at once and then every ``warm.interval_s``.
+    given, runs every ``metrics_interval_s`` seconds, and ``health`` (``PersistenceHealth.check``: drain spools,
+    publish the persistence health) every ``health_interval_s``. ``warm`` (``drafter serve --warm-dir``) scans its
+    folder at once and then every ``warm.interval_s``.
     """
     scheduler = BackgroundScheduler(daemon=True, job_defaults={"max_instances": 1, "coalesce": True,
                                                                 "misfire_grace_time": None})
@@ -40,7 +42,7 @@ def start_jobs(service: DrafterService, rebuild_interval_s: float, snapshot_inte
     scheduler.add_job(_logged("snapshot", service.snapshot), "interval", seconds=snapshot_interval_s,
                       id="snapshot")
     if health is not None:
-        scheduler.add_job(_logged("health", health), "interval", seconds=2.0, id="health")
+        scheduler.add_job(_logged("health", health), "interval", seconds=health_interval_s, id="health")
     if metrics is not None:
         scheduler.add_job(_logged("metrics", metrics), "interval", seconds=metrics_interval_s, id="metrics")
     if warm is not None:

@@ -11,10 +11,10 @@ try:  # parses lines of token ids about 1.7 times as fast; used when installed
     import orjson as _orjson
 
     _loads = _orjson.loads
-    _JSONError: tuple[type[Exception], ...] = (_orjson.JSONDecodeError, UnicodeDecodeError)
+    _JSONError: tuple[type[Exception], ...] = (_orjson.JSONDecodeError, UnicodeDecodeError, RecursionError)
 except ImportError:  # pragma: no cover - depends on the environment
     _loads = json.loads
-    _JSONError = (json.JSONDecodeError, UnicodeDecodeError)
+    _JSONError = (json.JSONDecodeError, UnicodeDecodeError, RecursionError)  # RecursionError: nested too deeply
 
 logger = logging.getLogger(__name__)
 

@@ -44,6 +44,9 @@ _GAUGES = (  # (stats key, metric name, help)
     ("dynamic_leaders", "drafter_dynamic_leaders", "Leaders held by the dynamic n-gram table."),
     ("active_sessions", "drafter_active_sessions", "Live sessions."),
     ("draft_model_sessions", "drafter_draft_model_sessions", "Sessions whose draft-model cache is running."),
+    ("spooled_requests", "drafter_spooled_requests", "Acknowledged requests held in the local spool until Redis "
+     "takes them."),
+    ("spooled_bytes", "drafter_spooled_bytes", "Bytes of the requests held in the local spool."),
 )
 
 
@@ -75,10 +78,12 @@ class DrafterCollector(Collector):
             try:
                 with ns.counters.lock:
                     counters = ns.counters.snapshot()
-                figures.append((name, {**counters, **ns.stats()}))
+                spooled = ns.spool.stats() if ns.spool is not None else {}
+                figures.append((name, {**counters, **ns.stats(), **spooled}))
             except Exception:
                 logger.exception("namespace %s: statistics failed; left out of /metrics", name)
         yield from _families(figures)
+        yield from _follower_families(self.service)
 
 
 def _families(figures: list[tuple[str, dict]]) -> Iterator[Metric]:
@@ -95,7 +100,8 @@ def _families(figures: list[tuple[str, dict]]) -> Iterator[Metric]:
         yield family
     rate = GaugeMetricFamily("drafter_acceptance_rate", "Confirmed over drafted tokens since the start.",
                              labels=ns_label)
-    healthy = GaugeMetricFamily("drafter_persistence_healthy", "1 when the namespace's Redis answers, else 0.",
+    healthy = GaugeMetricFamily("drafter_persistence_healthy", "1 when the namespace's Redis answers and its spool "
+                                "holds nothing, else 0.",
                                 labels=ns_label)
     latency = GaugeMetricFamily("drafter_draft_latency_seconds", "Draft latency quantiles over recent drafts.",
                                 labels=["namespace", "quantile"])
@@ -113,6 +119,27 @@ def _families(figures: list[tuple[str, dict]]) -> Iterator[Metric]:
         for source, n in sorted(dict(stats.get("confirmed_by_source") or {}).items()):
             confirmed.add_metric([ns, source], float(n))
     yield from (rate, healthy, latency, drafted, confirmed)
+
+
+def _follower_families(service: "DrafterService") -> Iterator[Metric]:
+    """Log following of a replica that shares its Redis with others (nothing when it does not follow)."""
+    followers = [(name, ns.follower.stats()) for name, ns in list(service.namespaces.items())
+                 if ns.follower is not None]
+    if not followers:
+        return
+    info = GaugeMetricFamily("drafter_replica_info", "This replica's id (value 1).", labels=["replica"])
+    info.add_metric([str(followers[0][1]["replica"])], 1.0)
+    applied = CounterMetricFamily("drafter_follower_applied_requests", "Requests other replicas logged that "
+                                  "this replica applied to its store.", labels=["namespace"])
+    skipped = CounterMetricFamily("drafter_follower_trimmed_slots", "Ring slots of the request log trimmed "
+                                  "before this replica read them.", labels=["namespace"])
+    connected = GaugeMetricFamily("drafter_follower_connected", "1 while the log follower reaches Redis.",
+                                  labels=["namespace"])
+    for name, stats in followers:
+        applied.add_metric([name], float(stats["applied"]))
+        skipped.add_metric([name], float(stats["skipped_slots"]))
+        connected.add_metric([name], 1.0 if stats["connected"] else 0.0)
+    yield from (info, applied, skipped, connected)
 
 
 def metrics_registry(service: "DrafterService") -> CollectorRegistry:

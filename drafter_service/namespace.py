@@ -20,6 +20,8 @@ from store.request_log import SeenKeys
 
 if TYPE_CHECKING:
     from drafter_service.card import DraftModelDrafts
+    from drafter_service.log_follower import LogFollower
+    from drafter_service.spooling import SpoolingLog
     from store.persistence import RedisPersistence
 
 logger = logging.getLogger(__name__)
@@ -140,6 +142,10 @@ class Namespace:
         self.built_at = time.monotonic()
         self._write_lock = threading.Lock()  # keeps the durable log and the ring buffer in the same order
         self._memory_seen = SeenKeys()  # duplicate keys when there is no persistence
+        self.log_position = "0-0"  # stream id of the newest logged request the store holds (all before it too)
+        self.event_position = "0-0"  # id of the newest event seen (frozen-table changes by other replicas)
+        self.follower: "LogFollower | None" = None  # set when this replica follows the shared log
+        self.spool: "SpoolingLog | None" = None  # set by attach_spools: holds requests while Redis cannot
 
     @classmethod
     def create(cls, name: str, base: DrafterConfig, vocab_size: int, persistence: "RedisPersistence | None",
@@ -167,10 +173,12 @@ class Namespace:
         stats = p.load_model()
         if stats:
             self.drafter.model.load(stats)
+        self.event_position = p.last_event_id()  # tables changed after this are picked up by a follower
         self.frozen_tables.restore()
         n = 0
         for rec in p.iter_request_records():
             self.drafter.add_document(rec.tokens, learn=_after(rec.stream_id, after), prompt_len=rec.prompt_len)
+            self.log_position = rec.stream_id
             n += 1
             if progress is not None and n % 1000 == 0:
                 progress(n)
@@ -182,8 +190,10 @@ class Namespace:
         p = self.persistence
         if p is None:
             return
-        with self._write_lock:  # the table then matches the log up to last_id
-            last = p.last_id()
+        with self._write_lock:  # the table then matches the log up to the position
+            if self.spool is not None and self.spool.holding:
+                return  # the table holds requests the log does not hold yet: snapshot once they are in
+            last = self.log_position if self.follower is not None else p.last_id()
             items = list(self.drafter.dynamic.items())
         p.save_table(items, last)
         p.save_model(self.drafter.model.snapshot())
@@ -237,13 +247,16 @@ class Namespace:
         sess = self.drafter.sessions.get(session_id)
         return sess.last_confirmed_sources if sess is not None else ()
 
-    def end_session(self, session_id: str, accepted: Sequence[int]) -> int:
-        """Store the request durably, then close the session; returns the tokens stored."""
-        doc = self.drafter.closing_document(session_id, accepted)
-        prompt_len = self.drafter.session(session_id).prompt_len
-        with self._write_lock:
-            self._persist([(doc, session_id)], [prompt_len])
-            self.drafter.end(session_id, accepted)
+    def end_session(self, session_id: str, accepted: Sequence[int], request_id: str | None = None) -> int:
+        """Store the request durably, then close the session; returns the tokens stored.
+
+        The stored request id is ``request_id`` (the session id when None).
+        """
+        with self._write_lock:  # two EndSession calls of one session: the second finds it gone (NOT_FOUND)
+            doc = self.drafter.closing_document(session_id, accepted)
+            prompt_len = self.drafter.session(session_id).prompt_len
+            self._persist([(doc, request_id or session_id)], [prompt_len])
+            self.drafter.end(session_id, accepted, document=doc)
         return int(doc.size)
 
     def ingest(self, requests: Sequence[tuple[Sequence[int], Sequence[int], str]],
@@ -277,26 +290,49 @@ class Namespace:
 
     def _persist(self, docs: list[tuple[np.ndarray, str | None]], prompt_lens: list[int],
                  skip_duplicates: bool = False) -> list[str | None]:
-        """Append ``docs`` durably; returns their stream ids (None for each duplicate left out)."""
+        """Append ``docs`` durably; returns their stream ids (None for each duplicate left out).
+
+        With a spool, requests Redis cannot take are fsynced there instead and get placeholder ids.
+        """
         if self.persistence is None:
             return self._memory_seen.append(docs, prompt_lens, skip_duplicates)
+        if self.spool is not None:
+            ids, spooled = self.spool.append(docs, prompt_lens, skip_duplicates)  # Unavailable when neither can
+            if spooled:
+                return ids  # the log position passes them when the spool drains
+        else:
+            try:
+                ids = self.persistence.append_requests(docs, prompt_lens, skip_duplicates)
+            except Exception as exc:  # the store is unchanged: nothing is acknowledged
+                logger.error("namespace %s: could not persist %d requests: %s", self.name, len(docs), exc)
+                raise Unavailable(f"could not store the request durably: {exc}") from exc
+        self.logged(ids, docs)
+        return ids
+
+    def logged(self, ids: Sequence[str | None], docs: Sequence[tuple[np.ndarray, str | None]]) -> None:
+        """Move the log position past own requests just appended with stream ids ``ids`` (write lock held)."""
+        if self.follower is not None:  # what other replicas logged just before goes into the store first
+            self.follower.before_own(ids, docs)
+        else:
+            self.log_position = next((i for i in reversed(ids) if i is not None), self.log_position)
+
+    def persistence_ok(self) -> bool:
+        """Whether Redis answers and no acknowledged request waits in the spool (else the namespace is degraded)."""
+        if self.persistence is None:
+            return True
+        if self.spool is not None and self.spool.holding:
+            return False
         try:
-            return self.persistence.append_requests(docs, prompt_lens, skip_duplicates)
-        except Exception as exc:  # the store is unchanged: nothing is acknowledged
-            logger.error("namespace %s: could not persist %d requests: %s", self.name, len(docs), exc)
-            raise Unavailable(f"could not store the request durably: {exc}") from exc
+            return bool(self.persistence.ping())
+        except Exception:  # reported, not raised: stats must answer while Redis is down
+            return False
 
     def stats(self) -> dict[str, object]:
         """Figures for GetStats and the metrics."""
         d = self.drafter
         s = d.store.stats()
         c = self.counters
-        healthy = True
-        if self.persistence is not None:
-            try:
-                healthy = bool(self.persistence.ping())
-            except Exception:  # reported, not raised: stats must answer while Redis is down
-                healthy = False
+        healthy = self.persistence_ok()
         return {
             "namespace": self.name, "vocab_size": d.config.vocab_size, "stored_tokens": s["tokens"],
             "stored_requests": s["documents"], "indexed_tokens": s["indexed_tokens"],

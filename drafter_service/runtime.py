@@ -8,12 +8,17 @@ import time
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health
 
+from drafter_service.auth import HttpAuth
 from drafter_service.http_server import DashboardServer
 from drafter_service.jobs import start_jobs
+from drafter_service.log_follower import LogFollower, default_replica_id
+from drafter_service.persistence_health import PersistenceHealth
 from drafter_service.server import create_server
 from drafter_service.service import DrafterService
 from drafter_service.service_config import ServiceConfig
+from drafter_service.spooling import attach_spools
 from drafter_service.timeseries import MetricsRollup
 from drafter_service.warm_watch import FolderWatch, service_watch
 from store.embedded_redis import EmbeddedRedis
@@ -37,6 +42,9 @@ class Runtime:
         self._scheduler = None
         self.warm: FolderWatch | None = None
         self._worker: IndexWorker | None = None
+        self.replica_id = config.replica_id or default_replica_id()
+        self.followers: list[LogFollower] = []
+        self.persistence_health: PersistenceHealth | None = None
         self._stopped = threading.Event()
 
     def start(self) -> "Runtime":
@@ -54,14 +62,21 @@ class Runtime:
             self._worker = IndexWorker()
             for ns in self.service.namespaces.values():
                 ns.drafter.store.builder = self._worker.build_arrays
+        adopted = attach_spools(self.service, cfg)  # a stopped process's spooled requests go into the log first
+        if adopted:
+            logger.info("%d requests spooled by a stopped process moved to Redis", adopted)
         t0 = time.perf_counter()
         restored = self.service.restore()
         logger.info("restored %s in %.2f s", restored, time.perf_counter() - t0)
-        self.server, self.port = create_server(cfg, cfg.address, self.service)
+        if cfg.following:  # other replicas' requests and frozen tables, from where the restore ended
+            self.followers = [LogFollower(ns, self.replica_id).start() for ns in self.service.namespaces.values()]
+        servicer = health.HealthServicer()
+        self.persistence_health = PersistenceHealth(self.service, servicer)
+        self.server, self.port = create_server(cfg, cfg.address, self.service, servicer)
         self.rollup = MetricsRollup(self.service)
         if cfg.http_address:
             self.http = DashboardServer(self.service, self.rollup, cfg.http_address,
-                                        interval_s=cfg.metrics_interval_s)
+                                        interval_s=cfg.metrics_interval_s, auth=HttpAuth.from_config(cfg))
             try:
                 self.http.start()
             except OSError as exc:
@@ -71,7 +86,8 @@ class Runtime:
         self.warm = service_watch(self.service, cfg)
         self._scheduler = start_jobs(self.service, cfg.rebuild_interval_s, cfg.snapshot_interval_s,
                                      metrics=self.rollup.roll, metrics_interval_s=cfg.metrics_interval_s,
-                                     warm=self.warm)
+                                     warm=self.warm, health=self.persistence_health.check,
+                                     health_interval_s=cfg.spool_drain_interval_s)
         return self
 
     @property
@@ -92,6 +108,10 @@ class Runtime:
             self.warm.stop()
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=True)
+        if self.persistence_health is not None:  # a last drain; spools still holding requests stay for next start
+            self.persistence_health.close()
+        for follower in self.followers:  # its blocking read ends on its own
+            follower.stop(wait=False)
         if self.rollup is not None:
             try:  # the last partial interval goes into the history too
                 self.rollup.roll()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from drafter_service.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from drafter_service.auth import TRUSTED, Authorizer, Caller
+from drafter_service.errors import InvalidArgument, NotFound
 from drafter_service.namespace import Namespace
+from drafter_service.session_routes import SessionRoutes
 from drafter_service.service_config import DEFAULT_NAMESPACE, ServiceConfig, check_name
 from drafter_service.tree import DraftTree
 
@@ -37,8 +38,8 @@ class DrafterService:
             store = persistence(spec.name, spec.vocab_size) if persistence is not None else None
             self.namespaces[spec.name] = Namespace.create(spec.name, config.drafter, spec.vocab_size, store,
                                                           drafts.get(spec.name))
-        self._session_ns: dict[str, Namespace] = {}
-        self._lock = threading.Lock()
+        self.auth = Authorizer.from_config(config)
+        self.sessions = SessionRoutes(config.max_sessions, config.max_sessions_per_client)
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -72,11 +73,14 @@ class DrafterService:
 
     # -- routing --------------------------------------------------------------------------------------
 
-    def namespace(self, name: str) -> Namespace:
-        """The namespace ``name`` ("" means default).
+    def namespace(self, name: str, caller: Caller | None = None) -> Namespace:
+        """The namespace ``name`` ("" means default), when ``caller`` may use it (None: an in-process caller).
 
         Raises:
-            NotFound: when it is not declared.
+            InvalidArgument: a malformed name.
+            Unauthenticated, PermissionDenied: the caller may not use it; an unknown namespace is refused the
+                same way, so callers learn nothing of namespaces they may not use (see ``Authorizer``).
+            NotFound: when it is not declared (and the caller may use every namespace).
         """
         name = name or DEFAULT_NAMESPACE
         found = self.namespaces.get(name)
@@ -85,13 +89,9 @@ class DrafterService:
                 check_name(name)
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from None
-            raise NotFound(f"unknown namespace {name!r}")
-        return found
-
-    def _of_session(self, session_id: str) -> Namespace:
-        found = self._session_ns.get(session_id)
+        self.auth.check(caller or TRUSTED, name, found is not None)
         if found is None:
-            raise NotFound(f"unknown session {session_id!r}")
+            raise NotFound(f"unknown namespace {name!r}")
         return found
 
     def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
@@ -99,30 +99,34 @@ class DrafterService:
             raise InvalidArgument(f"{what} holds {len(tokens)} tokens, more than the limit "
                                   f"{self.config.max_request_tokens}")
 
+    def _check_growth(self, ns: Namespace, session_id: str, accepted: Sequence[int]) -> None:
+        """Refuse ``accepted`` when it would take the session's output beyond ``max_request_tokens``."""
+        sess = ns.drafter.sessions.get(session_id)
+        if sess is not None and len(sess) - sess.prompt_len + len(accepted) > self.config.max_request_tokens:
+            shown = session_id.split("\x00")[0]  # the caller's id, without its scope
+            raise InvalidArgument(f"session {shown!r} would hold {len(sess) - sess.prompt_len + len(accepted)} "
+                                  f"output tokens, more than the limit {self.config.max_request_tokens}")
+
     def _check_budget(self, max_nodes: int) -> None:
         if max_nodes < 0 or max_nodes > self.config.max_nodes_limit:
             raise InvalidArgument(f"max_nodes must be in [0, {self.config.max_nodes_limit}], got {max_nodes}")
 
     # -- the API --------------------------------------------------------------------------------------
 
-    def start_session(self, namespace: str, session_id: str, prompt: Sequence[int], max_nodes: int = 0) -> Namespace:
-        """Open a session in a namespace."""
-        if not session_id or len(session_id) > 256:
-            raise InvalidArgument("session_id must be 1 to 256 characters")
+    def start_session(self, namespace: str, session_id: str, prompt: Sequence[int], max_nodes: int = 0,
+                      caller: Caller | None = None) -> Namespace:
+        """Open a session in a namespace; its id is unique among the live sessions of the caller's scope."""
+        ns = self.namespace(namespace, caller)  # callers without rights learn nothing more
+        if not session_id or len(session_id) > 256 or "\x00" in session_id:
+            raise InvalidArgument("session_id must be 1 to 256 characters, without NUL")
         self._check_tokens(prompt, "prompt")
         self._check_budget(max_nodes)
-        ns = self.namespace(namespace)
-        with self._lock:
-            if len(self._session_ns) >= self.config.max_sessions:
-                raise ResourceExhausted(f"{self.config.max_sessions} sessions are live; end some first")
-            if session_id in self._session_ns:  # session ids are unique over all namespaces
-                raise AlreadyExists(f"session {session_id!r} already exists")
-            ns.drafter.start(session_id, prompt, max_nodes)
-            self._session_ns[session_id] = ns
+        self.sessions.open(caller or TRUSTED, session_id, ns, lambda key: ns.drafter.start(key, prompt, max_nodes))
         return ns
 
     def draft(self, session_id: str, accepted: Sequence[int], max_nodes: int = 0, report_only: bool = False,
-              step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> tuple[DraftTree, int]:
+              step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
+              caller: Caller | None = None) -> tuple[DraftTree, int]:
         """Correct the session with ``accepted`` and draft the next tree (none when ``report_only``).
 
         ``step_seconds`` and ``plain_step_seconds`` are the engine's reported step times (0: not reported), each
@@ -133,25 +137,27 @@ class DrafterService:
         for name, value in (("step_seconds", step_seconds), ("plain_step_seconds", plain_step_seconds)):
             if not 0.0 <= value <= 3600.0:  # also refuses NaN
                 raise InvalidArgument(f"{name} must be in [0, 3600], got {value}")
-        return self._of_session(session_id).draft(session_id, accepted, max_nodes, report_only, step_seconds,
-                                                  plain_step_seconds)
+        ns, key = self.sessions.get(caller or TRUSTED, session_id)  # another scope's session is NOT_FOUND
+        self._check_growth(ns, key, accepted)
+        return ns.draft(key, accepted, max_nodes, report_only, step_seconds, plain_step_seconds)
 
-    def end_session(self, session_id: str, accepted: Sequence[int]) -> int:
+    def end_session(self, session_id: str, accepted: Sequence[int], caller: Caller | None = None) -> int:
         """Store the request durably and close its session; returns the tokens stored."""
         self._check_tokens(accepted, "accepted")
-        ns = self._of_session(session_id)
-        stored = ns.end_session(session_id, accepted)
-        with self._lock:
-            self._session_ns.pop(session_id, None)
+        ns, key = self.sessions.get(caller or TRUSTED, session_id)
+        self._check_growth(ns, key, accepted)
+        stored = ns.end_session(key, accepted, request_id=session_id)
+        self.sessions.close(caller or TRUSTED, session_id)
         return stored
 
     def ingest(self, namespace: str, requests: Sequence[tuple[Sequence[int], Sequence[int], str]],
-               skip_duplicates: bool = False) -> tuple[int, int, int]:
+               skip_duplicates: bool = False, caller: Caller | None = None) -> tuple[int, int, int]:
         """Store completed requests durably; returns (requests stored, tokens, duplicates skipped).
 
         With ``skip_duplicates`` a request already stored (same request id, or same prompt and output) is
         left out.
         """
+        ns = self.namespace(namespace, caller)
         if not requests:
             raise InvalidArgument("no requests to ingest")
         if len(requests) > self.config.max_ingest_requests:
@@ -160,20 +166,21 @@ class DrafterService:
         for i, (prompt, output, _) in enumerate(requests):
             self._check_tokens(prompt, f"request {i} prompt")
             self._check_tokens(output, f"request {i} output")
-        return self.namespace(namespace).ingest(requests, skip_duplicates)
+        return ns.ingest(requests, skip_duplicates)
 
-    def stats(self, namespace: str) -> dict[str, object]:
+    def stats(self, namespace: str, caller: Caller | None = None) -> dict[str, object]:
         """GetStats figures of one namespace."""
-        return self.namespace(namespace).stats()
+        return self.namespace(namespace, caller).stats()
 
-    def put_frozen(self, namespace: str, name: str, table: "FrozenNGramTable", source: str = "") -> dict:
+    def put_frozen(self, namespace: str, name: str, table: "FrozenNGramTable", source: str = "",
+                   caller: Caller | None = None) -> dict:
         """Store a frozen table durably and draft from it (replacing one of that name); returns its header."""
-        return self.namespace(namespace).frozen_tables.put(name, table, source)
+        return self.namespace(namespace, caller).frozen_tables.put(name, table, source)
 
-    def list_frozen(self, namespace: str) -> list[dict]:
+    def list_frozen(self, namespace: str, caller: Caller | None = None) -> list[dict]:
         """Headers of a namespace's frozen tables, by name."""
-        return self.namespace(namespace).frozen_tables.list()
+        return self.namespace(namespace, caller).frozen_tables.list()
 
-    def remove_frozen(self, namespace: str, name: str) -> bool:
+    def remove_frozen(self, namespace: str, name: str, caller: Caller | None = None) -> bool:
         """Delete a frozen table and stop drafting from it; False when there was none."""
-        return self.namespace(namespace).frozen_tables.remove(name)
+        return self.namespace(namespace, caller).frozen_tables.remove(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator
 
 import grpc
@@ -9,6 +10,7 @@ import numpy as np
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
+from drafter_service.auth import Caller
 from drafter_service.frozen_tables import table_from_chunks
 from drafter_service.service import DrafterService
 from drafter_service.tree import DraftTree
@@ -38,47 +40,61 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, service: DrafterService) -> None:
         self.service = service
 
+    def _caller(self, context: grpc.ServicerContext) -> Caller:
+        """Who calls (Unauthenticated for a malformed or unknown token); the service checks what it may use."""
+        return self.service.auth.caller(context.invocation_metadata(), context.peer())
+
     def StartSession(self, request: pb.StartSessionRequest, context: grpc.ServicerContext) -> pb.StartSessionResponse:
         ns = self.service.start_session(request.namespace, request.session_id, list(request.prompt),
-                                        request.max_nodes)
+                                        request.max_nodes, caller=self._caller(context))
         return pb.StartSessionResponse(session_id=request.session_id, namespace=ns.name)
 
     def Draft(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftResponse:
         tree, confirmed = self.service.draft(request.session_id, list(request.accepted), request.max_nodes,
-                                             request.report_only, request.step_seconds, request.plain_step_seconds)
+                                             request.report_only, request.step_seconds, request.plain_step_seconds,
+                                             caller=self._caller(context))
         return tree_message(tree, confirmed)
 
     def DraftStream(self, requests: Iterator[pb.DraftRequest], context: grpc.ServicerContext
                     ) -> Iterator[pb.DraftResponse]:
-        draft = self.service.draft
+        draft, caller = self.service.draft, self._caller(context)
         for request in requests:
             tree, confirmed = draft(request.session_id, list(request.accepted), request.max_nodes,
-                                    request.report_only, request.step_seconds, request.plain_step_seconds)
+                                    request.report_only, request.step_seconds, request.plain_step_seconds,
+                                    caller=caller)
             yield tree_message(tree, confirmed)
 
     def EndSession(self, request: pb.EndSessionRequest, context: grpc.ServicerContext) -> pb.EndSessionResponse:
         return pb.EndSessionResponse(stored_tokens=self.service.end_session(request.session_id,
-                                                                            list(request.accepted)))
+                                                                            list(request.accepted),
+                                                                            caller=self._caller(context)))
 
     def Ingest(self, request: pb.IngestRequest, context: grpc.ServicerContext) -> pb.IngestResponse:
         reqs = [(np.array(r.prompt, dtype=np.int32), np.array(r.output, dtype=np.int32), r.request_id)
                 for r in request.requests]
-        n, tokens, skipped = self.service.ingest(request.namespace, reqs, request.skip_duplicates)
+        n, tokens, skipped = self.service.ingest(request.namespace, reqs, request.skip_duplicates,
+                                                 caller=self._caller(context))
         return pb.IngestResponse(ingested=n, tokens=tokens, skipped=skipped)
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
-        return pb.GetStatsResponse(**self.service.stats(request.namespace))
+        return pb.GetStatsResponse(**self.service.stats(request.namespace, caller=self._caller(context)))
 
     def PutFrozenTable(self, chunks: Iterator[pb.FrozenTableChunk], context: grpc.ServicerContext
                        ) -> pb.FrozenTableInfo:
+        caller = self._caller(context)
+        first = next(chunks, None)
+        if first is not None:  # refused before the rest of the upload is read
+            self.service.namespace(first.namespace, caller)
+            chunks = itertools.chain([first], chunks)
         namespace, name, source, table = table_from_chunks(chunks)
-        return frozen_info_message(self.service.put_frozen(namespace, name, table, source))
+        return frozen_info_message(self.service.put_frozen(namespace, name, table, source, caller=caller))
 
     def ListFrozenTables(self, request: pb.ListFrozenTablesRequest, context: grpc.ServicerContext
                          ) -> pb.ListFrozenTablesResponse:
-        return pb.ListFrozenTablesResponse(tables=[frozen_info_message(h)
-                                                   for h in self.service.list_frozen(request.namespace)])
+        tables = self.service.list_frozen(request.namespace, caller=self._caller(context))
+        return pb.ListFrozenTablesResponse(tables=[frozen_info_message(h) for h in tables])
 
     def RemoveFrozenTable(self, request: pb.RemoveFrozenTableRequest, context: grpc.ServicerContext
                           ) -> pb.RemoveFrozenTableResponse:
-        return pb.RemoveFrozenTableResponse(removed=self.service.remove_frozen(request.namespace, request.name))
+        return pb.RemoveFrozenTableResponse(removed=self.service.remove_frozen(request.namespace, request.name,
+                                                                               caller=self._caller(context)))

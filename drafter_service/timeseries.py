@@ -158,6 +158,8 @@ class MetricsRollup:
         drafts = after["drafts"] - before["drafts"]
         point = make_point(name, int(time.time() * 1000), now - start, before, after,
                            latencies[-drafts:] if drafts > 0 else [], stats)
+        if ns.follower is not None:  # several replicas append to the same history: each point says whose it is
+            point["replica"] = ns.follower.replica_id
         if ns.persistence is not None:
             try:
                 point["t"] = ns.persistence.append_metric_point(point)

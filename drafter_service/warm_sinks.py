@@ -14,6 +14,7 @@ from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from drafter_service.service import DrafterService
+    from engine_client.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,9 @@ class GrpcSink:
     """
 
     def __init__(self, address: str, namespace: str = "", skip_duplicates: bool = True, timeout: float = 300.0,
-                 retries: int = 5, max_message_bytes: int = 64 << 20) -> None:
-        """Connect and read the namespace's vocabulary size with GetStats.
+                 retries: int = 5, max_message_bytes: int = 64 << 20,
+                 security: "ClientSecurity | None" = None) -> None:
+        """Connect and read the namespace's vocabulary size with GetStats (``security``: TLS and token).
 
         Raises:
             WarmError: no service answers at ``address``, or it has no such namespace.
@@ -65,7 +67,9 @@ class GrpcSink:
         self.max_request_tokens = MAX_REQUEST_TOKENS
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
-        self.channel = grpc.insecure_channel(address, options=options)
+        from engine_client.security import PLAINTEXT
+
+        self.channel = (security or PLAINTEXT).channel(address, options=options)
         self.stub = pb_grpc.DrafterStub(self.channel)
         try:
             stats = self.stub.GetStats(pb.GetStatsRequest(namespace=namespace), timeout=30)

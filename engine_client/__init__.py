@@ -10,12 +10,12 @@ from typing import Any
 
 from engine_client.draft_source import EMPTY_TREE, DraftSource, DraftTree, NoDrafts
 
-__all__ = ["DrafterClient", "AsyncDrafterClient", "ClientStats", "DrafterRequestError", "DrafterUnavailable",
-           "DraftSource", "NoDrafts", "DraftTree", "EMPTY_TREE"]
+__all__ = ["DrafterClient", "AsyncDrafterClient", "ClientStats", "ClientSecurity", "DrafterRequestError",
+           "DrafterUnavailable", "DraftSource", "NoDrafts", "DraftTree", "EMPTY_TREE"]
 
 _LAZY = {"DrafterClient": "engine_client.client", "AsyncDrafterClient": "engine_client.async_client",
          "ClientStats": "engine_client.client_common", "DrafterRequestError": "engine_client.client_common",
-         "DrafterUnavailable": "engine_client.client_common"}
+         "DrafterUnavailable": "engine_client.client_common", "ClientSecurity": "engine_client.security"}
 
 
 def __getattr__(name: str) -> Any:

@@ -5,16 +5,15 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterator
 
-import grpc
-
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
+from engine_client.security import PLAINTEXT, ClientSecurity
 
 logger = logging.getLogger(__name__)
 
 
 def ingest_file(address: str, path: str, namespace: str = "", batch: int = 256, progress: bool = False,
-                timeout: float = 60.0) -> tuple[int, int, int]:
+                timeout: float = 60.0, security: ClientSecurity | None = None) -> tuple[int, int, int]:
     """Send the completed requests of a JSONL file in batches; malformed lines are reported and skipped.
 
     ``drafter warm`` without checkpoints or duplicate skipping: every valid line is stored, as engines'
@@ -23,6 +22,7 @@ def ingest_file(address: str, path: str, namespace: str = "", batch: int = 256, 
     Args:
         batch: requests per Ingest call.
         progress: show a progress bar.
+        security: TLS and bearer token (None: plaintext without a token), as for every helper here.
 
     Returns:
         (requests ingested, tokens ingested, malformed lines).
@@ -30,7 +30,7 @@ def ingest_file(address: str, path: str, namespace: str = "", batch: int = 256, 
     from drafter_service.warm import Warmer
     from drafter_service.warm_sinks import GrpcSink
 
-    sink = GrpcSink(address, namespace, skip_duplicates=False, timeout=timeout)
+    sink = GrpcSink(address, namespace, skip_duplicates=False, timeout=timeout, security=security)
     try:
         done = Warmer(sink, batch_tokens=1 << 22, batch_requests=batch, progress=progress).warm_file(path)
     finally:
@@ -38,9 +38,9 @@ def ingest_file(address: str, path: str, namespace: str = "", batch: int = 256, 
     return done.requests, done.tokens, done.malformed
 
 
-def stats(address: str, namespace: str = "", timeout: float = 10.0) -> dict:
+def stats(address: str, namespace: str = "", timeout: float = 10.0, security: ClientSecurity | None = None) -> dict:
     """GetStats of a namespace as a plain dictionary."""
-    with grpc.insecure_channel(address) as channel:
+    with (security or PLAINTEXT).channel(address) as channel:
         reply = pb_grpc.DrafterStub(channel).GetStats(pb.GetStatsRequest(namespace=namespace), timeout=timeout)
     return {f.name: list(getattr(reply, f.name)) if f.is_repeated else getattr(reply, f.name)
             for f in reply.DESCRIPTOR.fields}
@@ -93,7 +93,7 @@ def frozen_table_chunks(table: object, name: str, namespace: str = "", source: s
 
 def put_frozen_table(address: str, name: str, table: object, namespace: str = "", source: str = "",
                      chunk_bytes: int = 4 << 20, progress: Callable[[int], object] | None = None,
-                     timeout: float = 600.0) -> dict:
+                     timeout: float = 600.0, security: ClientSecurity | None = None) -> dict:
     """Send a frozen table to a running service, which stores it durably and drafts from it at once.
 
     Args:
@@ -115,22 +115,24 @@ def put_frozen_table(address: str, name: str, table: object, namespace: str = ""
             if progress is not None:
                 progress(len(chunk.fanout))
 
-    with grpc.insecure_channel(address) as channel:
+    with (security or PLAINTEXT).channel(address) as channel:
         reply = pb_grpc.DrafterStub(channel).PutFrozenTable(chunks(), timeout=timeout)
     return _info(reply)
 
 
-def list_frozen_tables(address: str, namespace: str = "", timeout: float = 10.0) -> list[dict]:
+def list_frozen_tables(address: str, namespace: str = "", timeout: float = 10.0,
+                       security: ClientSecurity | None = None) -> list[dict]:
     """The frozen tables of a namespace, by name, as dictionaries of FrozenTableInfo fields."""
-    with grpc.insecure_channel(address) as channel:
+    with (security or PLAINTEXT).channel(address) as channel:
         reply = pb_grpc.DrafterStub(channel).ListFrozenTables(pb.ListFrozenTablesRequest(namespace=namespace),
                                                               timeout=timeout)
     return [_info(t) for t in reply.tables]
 
 
-def remove_frozen_table(address: str, name: str, namespace: str = "", timeout: float = 30.0) -> bool:
+def remove_frozen_table(address: str, name: str, namespace: str = "", timeout: float = 30.0,
+                        security: ClientSecurity | None = None) -> bool:
     """Delete a frozen table from a running service; False when it had none of that name."""
-    with grpc.insecure_channel(address) as channel:
+    with (security or PLAINTEXT).channel(address) as channel:
         reply = pb_grpc.DrafterStub(channel).RemoveFrozenTable(
             pb.RemoveFrozenTableRequest(namespace=namespace, name=name), timeout=timeout)
     return bool(reply.removed)

@@ -17,6 +17,7 @@ from engine_client.client_common import (CALLER_ERRORS, INGEST_BATCH, Backoff, D
                                          DrafterUnavailable, IngestBuffer, LocalFigures, ServiceDown, channel_options,
                                          rpc_code, stats_dict, to_sequences)
 from engine_client.draft_reuse import Pending, SessionBook, SessionState, settle_all
+from engine_client.security import PLAINTEXT, ClientSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +89,13 @@ class AsyncDrafterClient(LocalFigures):
     def __init__(self, address: str, namespace: str = "", timeout: float = 0.5, max_nodes: int = 32,
                  reuse: bool = True, reuse_factor: int = 4, min_reuse_nodes: int = 0, connect_timeout: float = 1.0,
                  call_timeout: float = 5.0, initial_backoff: float = 0.1, max_backoff: float = 5.0,
-                 max_buffered: int = 1000, service_max_nodes: int = 1024) -> None:
+                 max_buffered: int = 1000, service_max_nodes: int = 1024,
+                 security: ClientSecurity | None = None) -> None:
         if timeout <= 0 or call_timeout <= 0:
             raise ValueError(f"timeouts must be positive, got {timeout} and {call_timeout}")
         self.address, self.namespace, self.timeout, self.call_timeout = address, namespace, timeout, call_timeout
         self.connect_timeout, self._max_backoff = connect_timeout, max_backoff
+        self._security = security or PLAINTEXT
         self._book = SessionBook(max_nodes, reuse, reuse_factor, min_reuse_nodes, service_max_nodes)
         self._buffer = IngestBuffer(self._book.stats, max_buffered)
         self._backoff = Backoff(address, initial_backoff, max_backoff)
@@ -104,7 +107,7 @@ class AsyncDrafterClient(LocalFigures):
         """Make the channel and wait up to ``connect_timeout`` for the service (never raises when it is away)."""
         if self._channel is not None:
             return
-        self._channel = grpc.aio.insecure_channel(self.address, options=channel_options(self._max_backoff))
+        self._channel = self._security.aio_channel(self.address, options=channel_options(self._max_backoff))
         self._stub = pb_grpc.DrafterStub(self._channel)
         if self.connect_timeout > 0:
             try:

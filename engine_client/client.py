@@ -19,6 +19,7 @@ from engine_client.client_common import (CALLER_ERRORS, INGEST_BATCH, Backoff, C
                                          DrafterUnavailable, IngestBuffer, LocalFigures, ServiceDown, channel_options,
                                          rpc_code, stats_dict, to_sequences)
 from engine_client.draft_reuse import Pending, SessionBook, SessionState, settle_all
+from engine_client.security import PLAINTEXT, ClientSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -134,19 +135,22 @@ class DrafterClient(LocalFigures):
         initial_backoff, max_backoff: first and longest wait between attempts while the service is away.
         max_buffered: completed requests kept while the service is away.
         service_max_nodes: the service's ``max_nodes_limit`` (learnt from its refusals when lower).
+        security: TLS and bearer token (``ClientSecurity``; None: plaintext without a token). A token the
+            service refuses raises ``DrafterRequestError`` (UNAUTHENTICATED or PERMISSION_DENIED).
     """
 
     def __init__(self, address: str, namespace: str = "", timeout: float = 0.5, max_nodes: int = 32,
                  reuse: bool = True, reuse_factor: int = 4, min_reuse_nodes: int = 0, connect_timeout: float = 1.0,
                  call_timeout: float = 5.0, initial_backoff: float = 0.1, max_backoff: float = 5.0,
-                 max_buffered: int = 1000, service_max_nodes: int = 1024) -> None:
+                 max_buffered: int = 1000, service_max_nodes: int = 1024,
+                 security: ClientSecurity | None = None) -> None:
         if timeout <= 0 or call_timeout <= 0:
             raise ValueError(f"timeouts must be positive, got {timeout} and {call_timeout}")
         self.address, self.namespace, self.timeout, self.call_timeout = address, namespace, timeout, call_timeout
         self._book = SessionBook(max_nodes, reuse, reuse_factor, min_reuse_nodes, service_max_nodes)
         self._buffer = IngestBuffer(self._book.stats, max_buffered)
         self._backoff = Backoff(address, initial_backoff, max_backoff)
-        self._channel = grpc.insecure_channel(address, options=channel_options(max_backoff))
+        self._channel = (security or PLAINTEXT).channel(address, options=channel_options(max_backoff))
         self._stub = pb_grpc.DrafterStub(self._channel)
         self._stream: _Stream | None = None
         self._stream_lock = threading.Lock()

@@ -14,8 +14,9 @@ from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-CALLER_ERRORS = frozenset({"INVALID_ARGUMENT", "OUT_OF_RANGE", "FAILED_PRECONDITION"})
-"""Status codes (names) that mean the request itself was wrong: raised to the caller, never retried."""
+CALLER_ERRORS = frozenset({"INVALID_ARGUMENT", "OUT_OF_RANGE", "FAILED_PRECONDITION", "UNAUTHENTICATED",
+                           "PERMISSION_DENIED"})
+"""Status codes (names) that mean the request itself (or its credentials) was wrong: raised, never retried."""
 INGEST_BATCH = 256
 """Most buffered requests sent in one Ingest call."""
 

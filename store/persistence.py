@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -11,7 +12,8 @@ import redis
 from store.metric_log import METRICS_HISTORY, MetricLog
 from store.redis_common import (FORMAT_VERSION, NAME_PATTERN, PersistenceError, PersistenceUnavailable,
                                 redis_errors as _redis_errors, validate_name)
-from store.request_log import APPEND_LUA, SEEN_SUFFIX, RequestRecord, duplicate_keys, record_from_entry
+from store.request_log import (APPEND_LUA, SEEN_SUFFIX, WRITER_SUFFIX, WRITER_TTL_MS, RequestRecord, duplicate_keys,
+                               record_from_entry)
 from store.snapshots import SnapshotStore
 
 __all__ = ["FORMAT_VERSION", "METRICS_HISTORY", "NAME_PATTERN", "PersistenceError", "PersistenceUnavailable",
@@ -35,15 +37,19 @@ class RedisPersistence(SnapshotStore, MetricLog):
 
     The braces make every key of a namespace hash to one cluster slot, so the scripts and transactions
     below work on a cluster too. Keys:
-        meta       hash: format, vocab_size, end (ring slots given to all requests ever appended)
+        meta       hash: format, vocab_size, end (ring slots given to all requests ever appended), store_id
         requests   stream of completed requests: t = little-endian int32 tokens, r = request id (optional),
                    p = prompt length (optional)
         seen       set of the duplicate keys of every request ever appended (see ``append_requests``)
+        writer:<id>   a writer's high-water mark: the sequence number of the last request it appended (see
+                   ``append_requests``); expires 30 days after its last append
         table      hash of blobs: the dynamic n-gram table snapshot
         frozen:<name>, frozen   hashes of blobs per frozen table; set of their names
         model      hash of blobs: acceptance statistics
         metrics    stream of metric points (p = JSON object), ids "<time ms>-<seq>", trimmed to about
                    ``metrics_history`` entries
+        events     stream of changes other replicas must pick up (k = "frozen", n = table name, o = "put" or
+                   "remove"), written in the transaction that makes the change; about the last 1000 kept
     Snapshots are written under a temporary key and renamed, so readers see the old or the new one whole.
     Token ids are validated before anything is written, so a rejected call changes nothing.
     """
@@ -86,6 +92,7 @@ class RedisPersistence(SnapshotStore, MetricLog):
         self.table_key, self.model_key = prefix + "table", prefix + "model"
         self.frozen_set_key = prefix + "frozen"
         self.metrics_key = prefix + "metrics"
+        self.events_key = prefix + "events"
         self.seen_key = prefix + SEEN_SUFFIX
         self._append = self.client.register_script(APPEND_LUA)
         self._trim = self.client.register_script(_TRIM_LUA)
@@ -145,7 +152,8 @@ class RedisPersistence(SnapshotStore, MetricLog):
 
     def append_requests(self, docs: Sequence[tuple[np.ndarray, str | None]],
                         prompt_lens: Sequence[int | None] | None = None,
-                        skip_duplicates: bool = False) -> list[str | None]:
+                        skip_duplicates: bool = False,
+                        writer: tuple[str, int] | None = None) -> list[str | None]:
         """Append completed requests to the log in one atomic step and return once they are durable.
 
         Duplicates are found in the same step: a request is one when its request id (if not empty) or its
@@ -160,9 +168,12 @@ class RedisPersistence(SnapshotStore, MetricLog):
             docs: (tokens (n,) int array of prompt + output, request id or None) per request.
             prompt_lens: how many tokens of each request are its prompt (None: not recorded).
             skip_duplicates: leave duplicates out instead of appending them again.
+            writer: (writer id, sequence number of the first request; the others follow it by one): requests
+                at or below the writer's high-water mark (``writer_mark``) are left out as already appended,
+                so an append retried after a lost reply stores nothing twice; the mark is then raised.
 
         Returns:
-            The requests' stream ids, in order; None for each duplicate left out.
+            The requests' stream ids, in order; None for each duplicate (or already appended request) left out.
 
         Raises:
             ValueError: a request is not a 1-D array of valid token ids, or a prompt length is outside
@@ -172,6 +183,10 @@ class RedisPersistence(SnapshotStore, MetricLog):
         if prompt_lens is not None and len(prompt_lens) != len(docs):
             raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(docs)} requests")
         args: list[bytes | str] = ["1" if skip_duplicates else "0"]
+        keys = [self.stream_key, self.meta_key, self.seen_key]
+        if writer is not None:
+            args[0] += f":{int(writer[1])}:{WRITER_TTL_MS}"
+            keys.append(self._writer_key(writer[0]))
         for i, (tokens, request_id) in enumerate(docs):
             blob = self._tokens(tokens)
             plen = None if prompt_lens is None or prompt_lens[i] is None else int(prompt_lens[i])
@@ -183,17 +198,17 @@ class RedisPersistence(SnapshotStore, MetricLog):
         if not docs:
             return []
         with _redis_errors("append requests"):
-            replies = self._append_and_wait(args)
+            replies = self._append_and_wait(keys, args)
         if self._wait_aof and int(replies[1][0]) < 1:
             raise PersistenceError(f"the server did not fsync {len(docs)} appended requests within "
                                    f"{self.fsync_timeout_ms} ms; they may be lost on a crash")
         return [i.decode() or None for i in replies[0]]
 
-    def _append_and_wait(self, args: list) -> list:
+    def _append_and_wait(self, keys: list[str], args: list) -> list:
         """Run the append script and WAITAOF in one round trip (loading the script first if the server lost it)."""
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
-            pipe.evalsha(self._append.sha, 3, self.stream_key, self.meta_key, self.seen_key, *args)
+            pipe.evalsha(self._append.sha, len(keys), *keys, *args)
             if self._wait_aof:
                 pipe.execute_command("WAITAOF", 1, 0, self.fsync_timeout_ms)
             replies = pipe.execute(raise_on_error=False)
@@ -235,6 +250,81 @@ class RedisPersistence(SnapshotStore, MetricLog):
             if len(entries) < batch:
                 return
             cursor = entries[-1][0].decode()
+
+    def read_changes(self, after: str, events_after: str | None = None, block_ms: int = 0,
+                     count: int = 1000) -> tuple[list[RequestRecord], list[tuple[str, dict[str, str]]]]:
+        """The requests logged after stream id ``after`` and the events after ``events_after``, oldest first.
+
+        One XREAD over both streams (they share the namespace's cluster slot), so a replica that follows the
+        log waits for either with one blocking call.
+
+        Args:
+            after: stream id of the last request already read ("0-0": from the oldest held).
+            events_after: id of the last event already read (None: events are not read).
+            block_ms: wait up to this long for something new (0: answer at once).
+            count: most entries returned per stream.
+
+        Returns:
+            (requests, events as (event id, {field: value})); both empty when nothing arrived in time.
+
+        Raises:
+            PersistenceUnavailable: the server cannot be reached.
+        """
+        streams = {self.stream_key: after}
+        if events_after is not None:
+            streams[self.events_key] = events_after
+        with _redis_errors("read the request log"):
+            reply = self.client.xread(streams, count=count, block=int(block_ms) if block_ms > 0 else None)
+        records: list[RequestRecord] = []
+        events: list[tuple[str, dict[str, str]]] = []
+        for key, entries in (reply.items() if isinstance(reply, dict) else reply or ()):
+            key = key.decode() if isinstance(key, bytes) else key
+            if key == self.stream_key:
+                records.extend(record_from_entry(sid, fields) for sid, fields in entries)
+            else:
+                events.extend((sid.decode(), {k.decode(): v.decode() for k, v in fields.items()})
+                              for sid, fields in entries)
+        return records, events
+
+    def read_requests_after(self, after: str, block_ms: int = 0, count: int = 1000) -> list[RequestRecord]:
+        """Up to ``count`` requests logged after stream id ``after``, oldest first, waiting up to ``block_ms``
+        for one when there is none yet (0: answer at once); see ``read_changes``."""
+        return self.read_changes(after, None, block_ms, count)[0]
+
+    def read_requests_range(self, after: str, until: str) -> list[RequestRecord]:
+        """Every request logged after stream id ``after`` and up to ``until`` (inclusive), oldest first."""
+        with _redis_errors("read requests"):
+            entries = self.client.xrange(self.stream_key, f"({after}", until)
+        return [record_from_entry(sid, fields) for sid, fields in entries]
+
+    def last_event_id(self) -> str:
+        """Id of the newest event ("0-0" when none)."""
+        with _redis_errors("read the event position"):
+            newest = self.client.xrevrange(self.events_key, "+", "-", count=1)
+        return newest[0][0].decode() if newest else "0-0"
+
+    def _writer_key(self, writer_id: str) -> str:
+        if not writer_id or not all(c in "0123456789abcdef" for c in writer_id) or len(writer_id) > 64:
+            raise ValueError(f"a writer id must be 1 to 64 lowercase hex digits, got {writer_id!r}")
+        return self.prefix + WRITER_SUFFIX + writer_id
+
+    def writer_mark(self, writer_id: str) -> int:
+        """The highest sequence number ``append_requests`` has seen from a writer (0: none, or expired)."""
+        with _redis_errors("read a writer's mark"):
+            return int(self.client.get(self._writer_key(writer_id)) or 0)
+
+    def forget_writer(self, writer_id: str) -> None:
+        """Delete a writer's high-water mark (once nothing it wrote can be retried)."""
+        with _redis_errors("delete a writer's mark"):
+            self.client.delete(self._writer_key(writer_id))
+
+    def store_id(self) -> str:
+        """32 hex digits naming this namespace's data set, made at first use and kept in its meta hash."""
+        with _redis_errors("read the store id"):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hsetnx(self.meta_key, "store_id", uuid.uuid4().hex)
+            pipe.hget(self.meta_key, "store_id")
+            return pipe.execute()[1].decode()
 
     def request_count(self) -> int:
         """Requests held in the log."""

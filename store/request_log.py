@@ -10,22 +10,36 @@ import numpy as np
 
 SEEN_SUFFIX = "seen"
 """Key suffix (after a namespace's prefix) of the set of duplicate keys of every request ever appended."""
+WRITER_SUFFIX = "writer:"
+"""Key prefix (after a namespace's prefix, before the writer id) of a writer's high-water mark."""
+WRITER_TTL_MS = 30 * 24 * 3600 * 1000
+"""How long a writer's high-water mark outlives its last append (it matters until its spool is drained)."""
 
 # Append a batch of requests. Each stream id is "<end>-0" where <end> counts every slot a ring buffer gives
 # the requests so far (tokens plus one separator each), so ids increase and say where each request ends.
 # A request is a duplicate when its id key or its content key is in the seen set; with skip "1" duplicates
 # are not appended (their reply is ""). Every appended request adds its keys to the set, so duplicates
 # inside one batch are found too.
-# KEYS: stream, meta, seen; ARGV: skip "0"/"1", then per request: tokens, has id "0"/"1", id,
-# prompt length ("" when unknown), id key ("" when none), content key.
+# With a writer ("<skip>:<first seq>:<ttl ms>" in ARGV[1] and its key as KEYS[4]) the requests are numbered
+# <first seq>, <first seq> + 1, ... by that writer; those at or below the writer's high-water mark were appended
+# by an earlier attempt whose reply was lost, and are left out (reply ""), so a retried append never stores
+# a request twice. The mark is then raised and kept for <ttl ms>.
+# KEYS: stream, meta, seen[, writer]; ARGV: skip "0"/"1" (or the writer form), then per request: tokens,
+# has id "0"/"1", id, prompt length ("" when unknown), id key ("" when none), content key.
 APPEND_LUA = """
-local skip = ARGV[1] == '1'
+local skip = string.sub(ARGV[1], 1, 1) == '1'
+local first, ttl = string.match(ARGV[1], '^.:(%d+):(%d+)$')
+local done = 0
+if first then
+  first = tonumber(first)
+  done = tonumber(redis.call('GET', KEYS[4]) or '0')
+end
 local pos = tonumber(redis.call('HGET', KEYS[2], 'end') or '0')
 local ids = {}
 for i = 2, #ARGV, 6 do
   local id_key, hash_key = ARGV[i + 4], ARGV[i + 5]
-  local seen = false
-  if skip then
+  local seen = first ~= nil and first + (i - 2) / 6 <= done
+  if skip and not seen then
     seen = redis.call('SISMEMBER', KEYS[3], hash_key) == 1 or
            (id_key ~= '' and redis.call('SISMEMBER', KEYS[3], id_key) == 1)
   end
@@ -53,6 +67,10 @@ for i = 2, #ARGV, 6 do
   end
 end
 redis.call('HSET', KEYS[2], 'end', string.format('%d', pos))
+if first then
+  done = math.max(done, first + (#ARGV - 1) / 6 - 1)
+  redis.call('SET', KEYS[4], string.format('%d', done), 'PX', ttl)
+end
 return ids
 """
 

@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 64 << 20  # largest blob stored in one hash field
 _TEMP_TTL_S = 3600  # a snapshot abandoned half-written expires on its own
+_EVENTS_KEPT = 1000  # events kept for replicas that follow the namespace (about; trimmed approximately)
 
 
 class SnapshotStore:
@@ -32,6 +33,7 @@ class SnapshotStore:
     table_key: str
     model_key: str
     frozen_set_key: str
+    events_key: str
 
     # -- blobs -----------------------------------------------------------------------------------------------
 
@@ -133,7 +135,7 @@ class SnapshotStore:
         header, arrays = encode_items(entries.items() if isinstance(entries, dict) else entries,
                                       self.vocab_size if self.vocab_size is not None else 1 << 31)
         header.update(format=FORMAT_VERSION, kind="frozen", name=name, saved_at=time.time())
-        self._write_blobs(key, header, arrays, extra=lambda tx: tx.sadd(self.frozen_set_key, name))
+        self._write_blobs(key, header, arrays, extra=lambda tx: self._frozen_changed(tx, name, "put"))
 
     def load_frozen(self, name: str) -> dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]]:
         """The entries of frozen table ``name``, in their stored order.
@@ -157,8 +159,27 @@ class SnapshotStore:
         with _redis_errors(f"delete {key}"):
             tx = self.client.pipeline(transaction=True)
             tx.delete(key)
-            tx.srem(self.frozen_set_key, name)
+            self._frozen_changed(tx, name, "remove")
             return bool(tx.execute()[0])
+
+    def _frozen_changed(self, tx: "redis.client.Pipeline", name: str, op: str) -> None:
+        """Add to ``tx``: the table's entry in the set of names, and the event that tells other replicas."""
+        if op == "put":
+            tx.sadd(self.frozen_set_key, name)
+        else:
+            tx.srem(self.frozen_set_key, name)
+        tx.xadd(self.events_key, {"k": "frozen", "n": name, "o": op}, maxlen=_EVENTS_KEPT, approximate=True)
+
+    def frozen_header(self, name: str) -> dict | None:
+        """Header of stored frozen table ``name`` (name, source, saved_at, sizes), or None when there is none."""
+        with _redis_errors("read a frozen table header"):
+            raw = self.client.hget(self._frozen_key(name), "header")
+        if raw is None:
+            return None
+        header = json.loads(raw)
+        header.pop("arrays", None)
+        header.setdefault("source", "")
+        return header
 
     def save_frozen_table(self, name: str, table: FrozenNGramTable, source: str = "") -> dict:
         """Store (or replace) a frozen table from its arrays, atomically; returns its header.
@@ -181,7 +202,7 @@ class SnapshotStore:
         header = {"format": FORMAT_VERSION, "kind": "frozen", "name": name, "source": str(source),
                   "saved_at": time.time(), "leader_len": table.leader_len, "follower_len": table.follower_len,
                   "leaders": len(table), "followers": table.followers}
-        self._write_blobs(key, header, table.arrays(), extra=lambda tx: tx.sadd(self.frozen_set_key, name))
+        self._write_blobs(key, header, table.arrays(), extra=lambda tx: self._frozen_changed(tx, name, "put"))
         return header
 
     def load_frozen_table(self, name: str) -> tuple[FrozenNGramTable, dict]:

@@ -20,6 +20,8 @@ from drafter_service.bench.replay import CoreDrafter, ReplayResult, replay
 from drafter_service.bench.corpus_bench import add_corpus_bench
 from drafter_service.bench.e2e import add_e2e_bench
 from drafter_service.bench.serve_bench import add_serve_bench
+from drafter_service.bench.soak import add_soak_bench
+from drafter_service.bench.replicas_bench import add_replicas_bench
 from drafter_service.bench.warm_bench import add_warm_bench
 from drafter_service.config import DrafterConfig
 from store.ngram_table import FrozenNGramTable
@@ -72,6 +74,8 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     add_warm_bench(bench)
     add_e2e_bench(bench)
     add_corpus_bench(bench)
+    add_soak_bench(bench)
+    add_replicas_bench(bench)
 
 
 def _make_peer(name: str) -> ReplayDrafter | None:

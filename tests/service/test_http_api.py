@@ -75,7 +75,8 @@ def test_namespaces_series_and_health(runtime):
     assert json.loads(request(runtime, "/api/series")[2])["namespace"] == "default"
     status, _, body = request(runtime, "/healthz")
     assert status == 200 and json.loads(body) == {"status": "ok",
-                                                  "persistence_healthy": {"default": True, "other": True}}
+                                                  "persistence_healthy": {"default": True, "other": True},
+                                                  "spooled_requests": {"default": 0, "other": 0}}
     status, kind, body = request(runtime, "/metrics")
     assert status == 200 and kind.startswith("text/plain") and b'drafter_drafts_total{namespace="other"}' in body
 
