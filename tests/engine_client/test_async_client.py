@@ -1,7 +1,6 @@
 """AsyncDrafterClient against a real in-process gRPC server: the API, reuse, mistakes, and a service restart."""
 
 import asyncio
-import socket
 import time
 
 import grpc
@@ -15,16 +14,11 @@ from drafter_service.server import create_server
 from drafter_service.service_config import ServiceConfig
 from drafter_service.tree import EMPTY_TREE, accept_greedy
 from engine_client import AsyncDrafterClient, DrafterClient, DrafterRequestError
+from serving import free_port
 
 VOCAB = 1000
 CONFIG = ServiceConfig(drafter=DrafterConfig(capacity=1 << 16, tail_tokens=64), default_vocab_size=VOCAB,
                        max_request_tokens=5000, max_nodes_limit=64)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(port: int = 0):

@@ -3,7 +3,6 @@
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +12,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
@@ -22,6 +20,7 @@ from drafter_service.server import create_server
 from drafter_service.service_config import ServiceConfig
 from drafter_service.tree import EMPTY_TREE, DraftTree, accept_greedy
 from engine_client import DraftSource, DrafterClient, DrafterRequestError, DrafterUnavailable
+from serving import free_port, wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 1000
@@ -242,12 +241,6 @@ def test_engine_threads_share_one_client(address):
         assert stats["drafts"] == client.stats_local().fetched_steps
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_service_down_then_up_buffers_ended_requests_and_opens_sessions_late(caplog):
     port = free_port()
     addr = f"127.0.0.1:{port}"
@@ -287,21 +280,6 @@ def test_service_down_then_up_buffers_ended_requests_and_opens_sessions_late(cap
 
 
 DRAFTER = str(Path(sys.executable).parent / "drafter")
-
-
-def wait_serving(address: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(service="drafter.v1.Drafter"),
-                              timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, f"no service at {address}"
-            time.sleep(0.1)
 
 
 def start_serve(data_dir: Path, port: int) -> subprocess.Popen:

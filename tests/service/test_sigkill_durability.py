@@ -6,7 +6,6 @@ The kill count is DRAFTER_KILL_CYCLES (default 50); the figures are printed (run
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,18 +21,13 @@ from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from engine_client.admin import list_frozen_tables, put_frozen_table
 from store.frozen_table import FrozenNGramTable
 from store.persistence import RedisPersistence
+from serving import free_port
 
 DRAFTER = str(Path(sys.executable).parent / "drafter")
 KILLS = int(os.environ.get("DRAFTER_KILL_CYCLES", "50"))
 VOCAB = 1000
 LEADER = 999  # no request holds it: only the frozen table knows what follows
 TABLE = FrozenNGramTable(1, 3, {(LEADER,): [((997, 998, 996), 50)]})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Service:

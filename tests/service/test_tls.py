@@ -5,10 +5,8 @@ import ipaddress
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -17,7 +15,6 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
@@ -27,6 +24,7 @@ from drafter_service.server import create_server
 from drafter_service.service_config import NamespaceSpec, ServiceConfig
 from engine_client.client import DrafterClient
 from engine_client.security import ClientSecurity
+from serving import free_port, wait_serving
 
 VOCAB = 1000
 TOKEN = secrets.token_hex(16)
@@ -169,28 +167,6 @@ def test_bad_tls_files_stop_the_start_with_a_clear_error(pki, tmp_path):
         main(["stats", "--tls-root-ca", str(tmp_path / "missing.pem")])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_serving(address: str, security: ClientSecurity, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    with security.channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(service="drafter.v1.Drafter"),
-                              timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise TimeoutError(f"no service at {address}: {proc.communicate()[0] if proc.poll() else ''}")
-            time.sleep(0.2)
-
-
 def test_drafter_serve_and_the_cli_with_mutual_tls_and_a_token_file(pki, tmp_path, capsys):
     cert, key = pki["server"]
     client_cert, client_key = pki["client"]
@@ -205,8 +181,8 @@ def test_drafter_serve_and_the_cli_with_mutual_tls_and_a_token_file(pki, tmp_pat
     try:
         tls = ["--address", address, "--tls-root-ca", pki["ca"], "--tls-client-cert", client_cert,
                "--tls-client-key", client_key]
-        wait_serving(address, ClientSecurity(root_ca=pki["ca"], client_cert=client_cert, client_key=client_key),
-                     proc)
+        security = ClientSecurity(root_ca=pki["ca"], client_cert=client_cert, client_key=client_key)
+        wait_serving(address, proc=proc, channel=security.channel)
         assert main(["stats", *tls, "--namespace", "alpha", "--token", f"@{tmp_path / 'alpha.token'}"]) == 0
         assert json.loads(capsys.readouterr().out)["namespace"] == "alpha"
         with pytest.raises(SystemExit, match="UNAUTHENTICATED"):
