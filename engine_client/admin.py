@@ -1,4 +1,4 @@
-"""Operator calls to a running service: ingest request logs, read statistics, manage frozen tables."""
+"""Operator calls to a running service: read statistics, manage frozen tables."""
 
 from __future__ import annotations
 
@@ -7,35 +7,10 @@ from typing import Callable, Iterator
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
+from drafter_service.api.frozen_wire import frozen_table_chunks
 from engine_client.security import PLAINTEXT, ClientSecurity
 
 logger = logging.getLogger(__name__)
-
-
-def ingest_file(address: str, path: str, namespace: str = "", batch: int = 256, progress: bool = False,
-                timeout: float = 60.0, security: ClientSecurity | None = None) -> tuple[int, int, int]:
-    """Send the completed requests of a JSONL file in batches; malformed lines are reported and skipped.
-
-    ``drafter warm`` without checkpoints or duplicate skipping: every valid line is stored, as engines'
-    Ingest calls are.
-
-    Args:
-        batch: requests per Ingest call.
-        progress: show a progress bar.
-        security: TLS and bearer token (None: plaintext without a token), as for every helper here.
-
-    Returns:
-        (requests ingested, tokens ingested, malformed lines).
-    """
-    from drafter_service.warm import Warmer
-    from drafter_service.warm_sinks import GrpcSink
-
-    sink = GrpcSink(address, namespace, skip_duplicates=False, timeout=timeout, security=security)
-    try:
-        done = Warmer(sink, batch_tokens=1 << 22, batch_requests=batch, progress=progress).warm_file(path)
-    finally:
-        sink.close()
-    return done.requests, done.tokens, done.malformed
 
 
 def stats(address: str, namespace: str = "", timeout: float = 10.0, security: ClientSecurity | None = None) -> dict:
@@ -44,51 +19,6 @@ def stats(address: str, namespace: str = "", timeout: float = 10.0, security: Cl
         reply = pb_grpc.DrafterStub(channel).GetStats(pb.GetStatsRequest(namespace=namespace), timeout=timeout)
     return {f.name: list(getattr(reply, f.name)) if f.is_repeated else getattr(reply, f.name)
             for f in reply.DESCRIPTOR.fields}
-
-
-def frozen_table_chunks(table: object, name: str, namespace: str = "", source: str = "",
-                        chunk_bytes: int = 4 << 20) -> Iterator[pb.FrozenTableChunk]:
-    """A frozen table as PutFrozenTable chunks of whole leaders, about ``chunk_bytes`` serialized each.
-
-    Args:
-        table: anything with ``leader_len``, ``follower_len`` and ``arrays()`` (leaders (L, LL), fanout (L,),
-            followers (F, FL), counts (F,)), such as ``store.frozen_table.FrozenNGramTable``.
-        name: the table's name in the service.
-        namespace: its namespace ("" for default).
-        source: a description of its corpus.
-        chunk_bytes: target size of one chunk (a leader's followers are never split).
-    """
-    import numpy as np
-
-    arrays = table.arrays()  # type: ignore[attr-defined]
-    ll, fl = int(table.leader_len), int(table.follower_len)  # type: ignore[attr-defined]
-    fanout = np.asarray(arrays["fanout"], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(fanout)])  # (L + 1,) first follower of each leader
-    leaders, followers = arrays["leaders"].reshape(-1), arrays["followers"].reshape(-1)
-
-    def varint_bytes(values: np.ndarray) -> np.ndarray:  # protobuf's packed size of each non-negative value
-        v = np.asarray(values).astype(np.uint64)
-        return 1 + sum((v >> np.uint64(7 * k) > 0).astype(np.int64) for k in range(1, 10))
-
-    size = varint_bytes(followers).reshape(-1, fl).sum(axis=1) + varint_bytes(arrays["counts"])  # (F,)
-    held = np.concatenate([[0], np.cumsum(size)])[offsets]  # (L + 1,) follower bytes before each leader
-    sent = np.concatenate([[0], np.cumsum(varint_bytes(leaders).reshape(-1, ll).sum(axis=1) + varint_bytes(fanout))])
-    ends = held + sent  # (L + 1,) bytes of every leader before each one
-    start = 0
-    while True:  # an empty table still sends its first chunk (the service refuses it)
-        stop = int(np.searchsorted(ends, ends[start] + chunk_bytes, side="right")) - 1
-        stop = min(fanout.size, max(stop, start + 1))
-        f0, f1 = int(offsets[start]), int(offsets[stop])
-        chunk = pb.FrozenTableChunk(leaders=leaders[start * ll:stop * ll].tolist(),
-                                    fanout=fanout[start:stop].tolist(), followers=followers[f0 * fl:f1 * fl].tolist(),
-                                    counts=arrays["counts"][f0:f1].tolist())
-        if start == 0:
-            chunk.namespace, chunk.name, chunk.source = namespace, name, source
-            chunk.leader_len, chunk.follower_len = ll, fl
-        yield chunk
-        start = stop
-        if start >= fanout.size:
-            return
 
 
 def put_frozen_table(address: str, name: str, table: object, namespace: str = "", source: str = "",

@@ -12,10 +12,21 @@ import grpc
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.tree import DraftTree
-from engine_client.client_common import (CALLER_ERRORS, INGEST_BATCH, Backoff, DrafterRequestError,
-                                         DrafterUnavailable, IngestBuffer, LocalFigures, ServiceDown, channel_options,
-                                         rpc_code, stats_dict, to_sequences)
+from drafter_service.api.tree import DraftTree
+from engine_client.client_common import (
+    CALLER_ERRORS,
+    INGEST_BATCH,
+    Backoff,
+    DrafterRequestError,
+    DrafterUnavailable,
+    IngestBuffer,
+    LocalFigures,
+    ServiceDown,
+    channel_options,
+    rpc_code,
+    stats_dict,
+    to_sequences,
+)
 from engine_client.draft_reuse import Pending, SessionBook, SessionState, settle_all
 from engine_client.security import PLAINTEXT, ClientSecurity
 

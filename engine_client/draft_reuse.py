@@ -12,7 +12,7 @@ from time import perf_counter_ns
 from typing import Any, Sequence
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
-from drafter_service.tree import EMPTY_TREE, DraftTree
+from drafter_service.api.tree import EMPTY_TREE, DraftTree
 from engine_client.client_common import CALLER_ERRORS, ClientStats, DrafterRequestError, check_tokens
 
 logger = logging.getLogger(__name__)

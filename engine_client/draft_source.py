@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Protocol, Sequence, runtime_checkable
 
-from drafter_service.tree import EMPTY_TREE, DraftTree
+from drafter_service.api.tree import EMPTY_TREE, DraftTree
 
 __all__ = ["DraftSource", "NoDrafts", "DraftTree", "EMPTY_TREE"]
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 
-from drafter_service.auth import read_secret
+from drafter_service.api.credentials import read_secret
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
  *
  * The reference lives in store/match_kernels.py (scan_matches, extend_matches, continuations),
  * store/suffix_index.py (SuffixIndex.match), store/token_store.py (TokenStore.lookup) and
- * drafter_service/session.py (DraftSession.lookup). Arrays arrive through the buffer protocol; result
+ * drafter_service/core/session.py (DraftSession.lookup). Arrays arrive through the buffer protocol; result
  * arrays are created with numpy.empty and filled in place. Every entry point returns NotImplemented for
  * arguments it does not handle (unusual dtypes, negative or out-of-range token ids in a context,
  * budgets below one, ...), and the caller then runs the numpy reference, so both paths always agree.

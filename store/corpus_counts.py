@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -185,7 +186,7 @@ class NGramCounter:
         """The most frequent leaders and their most frequent followers, as CSR arrays.
 
         Leaders rank by their total count over all their followers, ties to the smaller leader; followers
-        by count, ties to the smaller follower (exactly as ``FrozenNGramTable.build``).
+        by count, ties to the smaller follower (exactly as ``build_frozen_table``).
 
         Returns:
             leaders (L, LL) int32 most frequent first, fanout (L,) int32, followers (F, FL) int32 most
@@ -244,3 +245,18 @@ class NGramCounter:
         assert self.max_distinct is None or keys.size <= self.max_distinct
         held = int(counts.sum()) + self._pending_size + self.pruned_occurrences
         assert held == self.grams, "occurrences held and pruned do not add up to those counted"
+
+
+def build_frozen_table(sequences: Iterable[Sequence[int] | np.ndarray], leader_len: int = 1, follower_len: int = 3,
+                       leader_capacity: int = 1 << 20, follower_capacity: int = 128) -> FrozenNGramTable:
+    """Count every leader-follower pair in ``sequences`` and keep the most frequent ones.
+
+    Leaders are ranked by how often they occur as leaders of a full pair; ties go to the smaller
+    token tuple, and followers likewise, so the result does not depend on input order.
+    """
+    docs = [np.asarray(seq, dtype=np.int64).ravel() for seq in sequences]
+    vocab = max((int(d.max()) + 1 for d in docs if d.size), default=1)
+    counter = NGramCounter(leader_len, follower_len, vocab_size=vocab)
+    for doc in docs:
+        counter.add(doc)
+    return counter.table(leader_capacity, follower_capacity)

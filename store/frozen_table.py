@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -153,23 +153,6 @@ class FrozenNGramTable:
         stop = min(stop, start + limit)
         ids = iter(self._followers[start:stop].ravel().tolist())
         return list(zip(zip(*[ids] * self.follower_len), self._counts[start:stop].tolist()))
-
-    @classmethod
-    def build(cls, sequences: Iterable[Sequence[int] | np.ndarray], leader_len: int = 1, follower_len: int = 3,
-              leader_capacity: int = 1 << 20, follower_capacity: int = 128) -> "FrozenNGramTable":
-        """Count every leader-follower pair in ``sequences`` and keep the most frequent ones.
-
-        Leaders are ranked by how often they occur as leaders of a full pair; ties go to the smaller
-        token tuple, and followers likewise, so the result does not depend on input order.
-        """
-        from store.corpus_counts import NGramCounter
-
-        docs = [np.asarray(seq, dtype=np.int64).ravel() for seq in sequences]
-        vocab = max((int(d.max()) + 1 for d in docs if d.size), default=1)
-        counter = NGramCounter(leader_len, follower_len, vocab_size=vocab)
-        for doc in docs:
-            counter.add(doc)
-        return counter.table(leader_capacity, follower_capacity)
 
     def __len__(self) -> int:
         return int(self._leaders.shape[0])

@@ -10,10 +10,17 @@ import numpy as np
 import redis
 
 from store.metric_log import METRICS_HISTORY, MetricLog
-from store.redis_common import (FORMAT_VERSION, NAME_PATTERN, PersistenceError, PersistenceUnavailable,
-                                redis_errors as _redis_errors, validate_name)
-from store.request_log import (APPEND_LUA, SEEN_SUFFIX, WRITER_SUFFIX, WRITER_TTL_MS, RequestRecord, duplicate_keys,
-                               record_from_entry)
+from store.redis_common import FORMAT_VERSION, NAME_PATTERN, PersistenceError, PersistenceUnavailable, validate_name
+from store.redis_common import redis_errors as _redis_errors
+from store.request_log import (
+    APPEND_LUA,
+    SEEN_SUFFIX,
+    WRITER_SUFFIX,
+    WRITER_TTL_MS,
+    RequestRecord,
+    duplicate_keys,
+    record_from_entry,
+)
 from store.snapshots import SnapshotStore
 
 __all__ = ["FORMAT_VERSION", "METRICS_HISTORY", "NAME_PATTERN", "PersistenceError", "PersistenceUnavailable",

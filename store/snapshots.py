@@ -12,7 +12,8 @@ import numpy as np
 import redis
 
 from store.frozen_table import FrozenNGramTable
-from store.redis_common import FORMAT_VERSION, PersistenceError, redis_errors as _redis_errors, validate_name
+from store.redis_common import FORMAT_VERSION, PersistenceError, validate_name
+from store.redis_common import redis_errors as _redis_errors
 from store.table_codec import Items, decode_items, encode_items
 
 logger = logging.getLogger(__name__)

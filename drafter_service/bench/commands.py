@@ -13,17 +13,18 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from drafter_service.bench.datasets import DATASET_NAMES, Request, load_dataset, read_requests
+from drafter_service.bench.corpus_bench import add_corpus_bench
+from drafter_service.bench.e2e import add_e2e_bench
 from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
 from drafter_service.bench.protocol import ReplayDrafter
 from drafter_service.bench.replay import CoreDrafter, ReplayResult, replay
-from drafter_service.bench.corpus_bench import add_corpus_bench
-from drafter_service.bench.e2e import add_e2e_bench
+from drafter_service.bench.replicas_bench import add_replicas_bench
 from drafter_service.bench.serve_bench import add_serve_bench
 from drafter_service.bench.soak import add_soak_bench
-from drafter_service.bench.replicas_bench import add_replicas_bench
 from drafter_service.bench.warm_bench import add_warm_bench
-from drafter_service.config import DrafterConfig
+from drafter_service.core.config import DrafterConfig
+from drafter_service.datasets.loaders import DATASET_NAMES, Request, load_dataset, read_requests
+from store.corpus_counts import build_frozen_table
 from store.ngram_table import FrozenNGramTable
 
 logger = logging.getLogger(__name__)
@@ -141,9 +142,9 @@ def _card_drafters(args: argparse.Namespace, reqs: Sequence[Request]) -> list[Re
     """drafter with the draft model: CARD with correction, without it (ablation), and the model alone."""
     import torch
 
-    from drafter_service.card import DraftModelDrafts
-    from drafter_service.config import CardSettings
-    from drafter_service.draft_model import load_draft_model
+    from drafter_service.core.config import CardSettings
+    from drafter_service.model.card import DraftModelDrafts
+    from drafter_service.model.draft_model import load_draft_model
 
     torch.set_num_threads(args.draft_threads)
     vocab = max(int(max(r.prompt.max(initial=0), r.output.max(initial=0))) for r in reqs) + 1
@@ -162,7 +163,7 @@ def _card_drafters(args: argparse.Namespace, reqs: Sequence[Request]) -> list[Re
 
 
 def _token_counts(folder: str) -> np.ndarray | None:
-    from drafter_service.draft_model import TOKEN_COUNTS
+    from drafter_service.model.draft_model import TOKEN_COUNTS
 
     path = pathlib.Path(folder) / TOKEN_COUNTS
     return np.load(path) if path.is_file() else None
@@ -221,7 +222,7 @@ def _frozen_table(args: argparse.Namespace) -> FrozenNGramTable:
     reqs = _corpus(source, args.frozen_skip, args.frozen_limit)
     t0 = time.perf_counter()
     cfg = DrafterConfig()
-    table = FrozenNGramTable.build((r.output for r in reqs), cfg.leader_len, cfg.follower_len,
+    table = build_frozen_table((r.output for r in reqs), cfg.leader_len, cfg.follower_len,
                                    cfg.leader_capacity, cfg.follower_capacity)
     logger.warning("frozen table from %d %s outputs (%d tokens): %d leaders in %.1f s", len(reqs), source,
                    sum(r.output.size for r in reqs), len(table), time.perf_counter() - t0)

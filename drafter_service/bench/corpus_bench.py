@@ -13,9 +13,9 @@ import sys
 import tempfile
 import time
 
-from drafter_service.bench.cache import atomic_output, cache_dir
-from drafter_service.bench.datasets import iter_json_array
-from drafter_service.bench.tokenizer import CACHE_FILENAME, load_smollm2_tokenizer
+from drafter_service.datasets.cache import atomic_output, cache_dir
+from drafter_service.datasets.loaders import iter_json_array
+from drafter_service.datasets.tokenizer import CACHE_FILENAME, load_smollm2_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def run_corpus_bench(args: argparse.Namespace) -> int:
     tokenizer = cache_dir() / CACHE_FILENAME
     with tempfile.TemporaryDirectory() as tmp:
         report_path = pathlib.Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "drafter_service.cli", "import-corpus", str(corpus), "--name", "sharegpt",
+        cmd = [sys.executable, "-m", "drafter_service.cli.main", "import-corpus", str(corpus), "--name", "sharegpt",
                "--tokenizer", str(tokenizer), "--no-upload", "--report-json", str(report_path)]
         if args.output:
             cmd += ["--output", args.output]

@@ -15,10 +15,10 @@ from typing import Callable, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from drafter_service.bench.cache import atomic_output, cache_dir
 from drafter_service.bench.e2e_prompts import E2E_DATASETS, Prompt, load_prompts
 from drafter_service.bench.serve_bench import ServiceProcess
-from drafter_service.bench.tokenizer import load_smollm2_tokenizer
+from drafter_service.datasets.cache import atomic_output, cache_dir
+from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     """Entry point of ``drafter bench e2e``."""
     import torch
 
-    from drafter_service.bench.model import load_smollm2
+    from drafter_service.datasets.target_model import load_smollm2
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(methods) - set(METHODS)
@@ -275,7 +275,7 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     draft_folder = _draft_folder(args) if set(methods) & set(MODEL_METHODS) else None
     draft = None
     if "hf-assist" in methods:
-        from drafter_service.draft_model import load_draft_model
+        from drafter_service.model.draft_model import load_draft_model
 
         draft = load_draft_model(draft_folder, model.config.vocab_size, dtype=dtype, device=device)
     print(f"SmolLM2-135M-Instruct, {args.dtype}, {device}, {torch.get_num_threads()} threads, "

@@ -10,9 +10,9 @@ from typing import Iterator
 
 import numpy as np
 
-from drafter_service.bench.datasets import iter_json_array
-from drafter_service.bench.model import chat_prompt
-from drafter_service.bench.tokenizer import load_smollm2_tokenizer
+from drafter_service.datasets.loaders import iter_json_array
+from drafter_service.datasets.target_model import chat_prompt
+from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
 
 #: Workloads :func:`load_prompts` knows.
 E2E_DATASETS = ("gsm8k", "humaneval", "sharegpt")

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from drafter_service.tree import EMPTY_TREE, DraftTree, chain
+from drafter_service.api.tree import EMPTY_TREE, DraftTree, chain
 
 logger = logging.getLogger(__name__)
 

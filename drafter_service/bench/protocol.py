@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence, runtime_checkable
 
-from drafter_service.tree import DraftTree
+from drafter_service.api.tree import DraftTree
 
 __all__ = ["ReplayDrafter"]
 

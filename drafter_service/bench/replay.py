@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from drafter_service.bench.datasets import Request
+from drafter_service.api.tree import DraftTree, accept_greedy
 from drafter_service.bench.protocol import ReplayDrafter
-from drafter_service.config import DrafterConfig
-from drafter_service.drafter import Drafter
-from drafter_service.tree import DraftTree, accept_greedy
+from drafter_service.core.config import DrafterConfig
+from drafter_service.core.drafter import Drafter
+from drafter_service.datasets.loaders import Request
 
 if TYPE_CHECKING:
-    from drafter_service.card import DraftModelDrafts
+    from drafter_service.model.card import DraftModelDrafts
 
 logger = logging.getLogger(__name__)
 

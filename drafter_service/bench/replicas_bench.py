@@ -63,7 +63,7 @@ class Replica:
         self.name = f"bench-{index}"
         with open(log_dir / f"{self.name}.log", "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "drafter_service.cli", "--log-level", "INFO", "serve", "--redis-url",
+                [sys.executable, "-m", "drafter_service.cli.main", "--log-level", "INFO", "serve", "--redis-url",
                  redis_url, "--address", self.address, "--http-address", "", "--replica-id", self.name,
                  "--follow-log", "on", "--namespaces", f"{NAMESPACE}={VOCAB}", "--capacity", str(1 << 22),
                  "--snapshot-interval", "3600", "--metrics-interval", "3600"],

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import queue
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -21,8 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.bench.datasets import Request, load_dataset
-from drafter_service.tree import DraftTree, accept_greedy
+from drafter_service.api.tree import DraftTree, accept_greedy
+from drafter_service.datasets.loaders import Request, load_dataset
 
 
 def add_serve_bench(bench: argparse._SubParsersAction) -> None:

@@ -20,8 +20,8 @@ import numpy as np
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.bench.datasets import Request, load_dataset
 from drafter_service.bench.serve_bench import ServiceProcess, _fill, _wait_indexed
+from drafter_service.datasets.loaders import Request, load_dataset
 
 CALL_TIMEOUT_S = 30.0
 """Deadline of every call and of every stream answer: a call that takes longer counts as an error (a hang)."""

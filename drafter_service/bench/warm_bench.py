@@ -14,8 +14,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from drafter_service.bench.datasets import Request, load_dataset
 from drafter_service.bench.serve_bench import ServiceProcess
+from drafter_service.datasets.loaders import Request, load_dataset
 
 _SUMMARY = re.compile(r"warmed (\d+) requests \((\d+) tokens\).*?(\d+) skipped as duplicates")
 
@@ -84,7 +84,7 @@ def _warm(address: str, path: Path, state: Path, *extra: str) -> tuple[float, in
 
 def run_warm_bench(args: argparse.Namespace) -> int:
     """Generate the logs, start a service, time `drafter warm` on them, print tokens/s."""
-    from drafter_service.bench.tokenizer import load_smollm2_tokenizer
+    from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -117,9 +117,9 @@ def run_warm_bench(args: argparse.Namespace) -> int:
 
 
 def _text_run(address: str, text_log: Path, state: Path, texts: list[str]) -> None:
-    from drafter_service.bench.cache import cache_dir
-    from drafter_service.bench.tokenizer import CACHE_FILENAME
-    from drafter_service.text_tokenizer import TextTokenizer
+    from drafter_service.datasets.cache import cache_dir
+    from drafter_service.datasets.tokenizer import CACHE_FILENAME
+    from drafter_service.ingest.text_tokenizer import TextTokenizer
 
     tok_path = cache_dir() / CACHE_FILENAME
     seconds, n, tokens, skipped = _warm(address, text_log, state, "--tokenizer", str(tok_path),
@@ -153,7 +153,7 @@ class _NullSink:
 
 def _reader_alone(path: Path, tokenizer: object = None) -> float:
     """Tokens/s of ``Warmer`` reading ``path`` into a sink that does nothing, in this process."""
-    from drafter_service.warm import Warmer
+    from drafter_service.ingest.warm import Warmer
 
     t0 = time.perf_counter()
     done = Warmer(_NullSink(), tokenizer, progress=False).warm_file(path)  # type: ignore[arg-type]

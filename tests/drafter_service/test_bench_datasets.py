@@ -9,9 +9,9 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from drafter_service.bench import datasets
-from drafter_service.bench.datasets import Request, iter_json_array, load_dataset, read_requests, write_requests
-from drafter_service.bench.tokenizer import load_smollm2_tokenizer
+from drafter_service.datasets import loaders as datasets
+from drafter_service.datasets.loaders import Request, iter_json_array, load_dataset, read_requests, write_requests
+from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
 
 IM_START, IM_END = 1, 2
 

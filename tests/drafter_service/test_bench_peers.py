@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from drafter_service.api.tree import accept_greedy
 from drafter_service.bench.peers import (
     ArcticSuffixDrafter,
     PromptLookupDrafter,
@@ -13,7 +14,6 @@ from drafter_service.bench.peers import (
     suffix_draft_to_tree,
 )
 from drafter_service.bench.protocol import ReplayDrafter
-from drafter_service.tree import accept_greedy
 
 needs_arctic = pytest.mark.skipif(not arctic_available(), reason="arctic-inference is not installed")
 

@@ -10,8 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from drafter_service.card import DraftModelDrafts, ProbabilityCalibration  # noqa: E402
-from drafter_service.config import CardSettings  # noqa: E402
+from drafter_service.core.config import CardSettings  # noqa: E402
+from drafter_service.model.card import DraftModelDrafts, ProbabilityCalibration  # noqa: E402
 
 PROMPT = [3, 17, 5, 9, 22, 5]
 

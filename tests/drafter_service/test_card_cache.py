@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from drafter_service.card_cache import CandidateCache  # noqa: E402
+from drafter_service.model.card_cache import CandidateCache  # noqa: E402
 
 CONTEXT = [3, 17, 5, 9, 22, 5]
 

@@ -11,11 +11,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from drafter_service.config import CardSettings, DrafterConfig  # noqa: E402
-from drafter_service.draft_model import DraftModelError  # noqa: E402
-from drafter_service.server import create_server  # noqa: E402
-from drafter_service.service import DrafterService  # noqa: E402
-from drafter_service.service_config import DraftModelSpec, ServiceConfig  # noqa: E402
+from drafter_service.core.config import (  # noqa: E402
+    CardSettings,
+    DrafterConfig,
+    DraftModelSpec,  # noqa: E402
+)
+from drafter_service.model.draft_model import DraftModelError  # noqa: E402
+from drafter_service.rpc.server import create_server  # noqa: E402
+from drafter_service.service.config import ServiceConfig  # noqa: E402
+from drafter_service.service.service import DrafterService  # noqa: E402
 from engine_client.admin import stats  # noqa: E402
 from engine_client.client import DrafterClient  # noqa: E402
 from engine_client.engine import ReferenceEngine, greedy_reference  # noqa: E402
@@ -98,7 +102,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused(target_folder):
 
 
 def test_serve_refuses_a_mismatched_draft_model_with_a_clear_error(target_folder, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "drafter_service.cli", "serve", "--address", "127.0.0.1:0",
+    proc = subprocess.run([sys.executable, "-m", "drafter_service.cli.main", "serve", "--address", "127.0.0.1:0",
                            "--data-dir", str(tmp_path / "data"), "--vocab-size", "1000",
                            "--draft-model", str(target_folder)], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0

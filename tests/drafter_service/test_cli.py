@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from drafter_service.bench.datasets import Request, write_requests
-from drafter_service.cli import main
+from drafter_service.cli.main import main
+from drafter_service.datasets.loaders import Request, write_requests
 
 
 def test_bench_replay_on_a_request_file_prints_ours_and_the_peer(tmp_path, capsys):

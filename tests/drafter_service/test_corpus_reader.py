@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from drafter_service.corpus_build import build_corpus_table, in_background
-from drafter_service.corpus_reader import CorpusOptions, CorpusReader, documents_of
-from drafter_service.text_tokenizer import TextTokenizer
-from store.frozen_table import FrozenNGramTable
+from drafter_service.ingest.corpus_build import build_corpus_table, in_background
+from drafter_service.ingest.corpus_reader import CorpusOptions, CorpusReader, documents_of
+from drafter_service.ingest.text_tokenizer import TextTokenizer
+from store.corpus_counts import build_frozen_table
 
 WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "to", "it", "é"]
 
@@ -87,7 +87,7 @@ def test_build_counts_each_document_apart_and_equals_the_table_build(tmp_path):
     table, report = build_corpus_table([tmp_path / "c.jsonl", tmp_path / "ids.jsonl"], vocab_size=tok.vocab_size,
                                        encode=tok.encode_batch, leader_capacity=5, follower_capacity=2,
                                        options=CorpusOptions(batch_chars=30))
-    expected = FrozenNGramTable.build(tok.encode_batch(docs) + [np.array([1, 2, 3, 4, 5])], 1, 3, 5, 2)
+    expected = build_frozen_table(tok.encode_batch(docs) + [np.array([1, 2, 3, 4, 5])], 1, 3, 5, 2)
     assert list(table.items()) == list(expected.items())
     assert (report.documents, report.tokens, report.skipped, report.pruned_grams) == (10, 59, 1, 0)
     assert "c.jsonl:10" in report.problems[0] and report.leaders == len(table)

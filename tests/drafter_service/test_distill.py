@@ -11,11 +11,18 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafter_service.bench.datasets import Request, write_requests
-from drafter_service.distill import CHECKPOINT, DistillConfig, add_distill_command, distill, find_checkpoint
-from drafter_service.distill_data import read_token_file, split_requests
-from drafter_service.draft_model import (DRAFT_META, TOKEN_COUNTS, DraftMeta, DraftModelError, build_draft_from_target,
-                                         choose_layers, load_draft_model)
+from drafter_service.datasets.loaders import Request, write_requests
+from drafter_service.model.distill import CHECKPOINT, DistillConfig, add_distill_command, distill, find_checkpoint
+from drafter_service.model.distill_data import read_token_file, split_requests
+from drafter_service.model.draft_model import (
+    DRAFT_META,
+    TOKEN_COUNTS,
+    DraftMeta,
+    DraftModelError,
+    build_draft_from_target,
+    choose_layers,
+    load_draft_model,
+)
 from store.embedded_redis import EmbeddedRedis
 from store.persistence import RedisPersistence
 
@@ -114,7 +121,7 @@ def test_resume_continues_from_the_checkpoint_like_an_uninterrupted_run(target_d
 
 
 def test_sigterm_saves_a_checkpoint_and_resume_finishes(target_dir, corpus, tmp_path, monkeypatch):
-    import drafter_service.distill as distill_module
+    import drafter_service.model.distill as distill_module
 
     calls = []
     real = distill_module.distill_batch

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from drafter_service.config import DrafterConfig
-from drafter_service.drafter import Drafter
-from drafter_service.errors import AlreadyExists, InvalidArgument, NotFound
-from drafter_service.tree import accept_greedy
-from store.ngram_table import FrozenNGramTable
+from drafter_service.api.errors import AlreadyExists, InvalidArgument, NotFound
+from drafter_service.api.tree import accept_greedy
+from drafter_service.core.config import DrafterConfig
+from drafter_service.core.drafter import Drafter
+from store.corpus_counts import build_frozen_table
 
 
 def make(**kw) -> Drafter:
@@ -73,7 +73,7 @@ def test_dynamic_table_learns_from_the_prompt_and_accepted_tokens():
 
 def test_frozen_table_is_used_when_nothing_else_knows():
     d = make(use_session=False, use_store=False, use_dynamic=False)
-    d.add_frozen("corpus", FrozenNGramTable.build([[8, 1, 2, 3, 8, 1, 2, 3]]))
+    d.add_frozen("corpus", build_frozen_table([[8, 1, 2, 3, 8, 1, 2, 3]]))
     d.start("s", [8])
     assert best_path(d.propose("s"))[:3] == [1, 2, 3]
 
@@ -105,7 +105,7 @@ def test_adaptive_budget_shrinks_after_rejections_and_grows_after_acceptances():
 
 
 def _chain_tree(tokens):
-    from drafter_service.tree import chain
+    from drafter_service.api.tree import chain
     tree = chain(tokens, [0.5] * len(tokens))
     return tree, (list(range(len(tokens) + 1)), list(range(len(tokens))), [0.5] * len(tokens))
 

@@ -19,15 +19,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from drafter_service.config import DrafterConfig
-from drafter_service.corpus_build import build_corpus_table
-from drafter_service.corpus_reader import CorpusOptions, CorpusReader, documents_of
-from drafter_service.log_reader import CHAT, TEXT, TOKENS, LogRequest, MalformedLine, parse_line
-from drafter_service.service import DrafterService
-from drafter_service.service_config import ServiceConfig
-from drafter_service.text_tokenizer import TextTokenizer
-from drafter_service.warm import Warmer
-from drafter_service.warm_sinks import ServiceSink
+from drafter_service.core.config import DrafterConfig
+from drafter_service.ingest.corpus_build import build_corpus_table
+from drafter_service.ingest.corpus_reader import CorpusOptions, CorpusReader, documents_of
+from drafter_service.ingest.log_reader import CHAT, TEXT, TOKENS, LogRequest, MalformedLine, parse_line
+from drafter_service.ingest.text_tokenizer import TextTokenizer
+from drafter_service.ingest.warm import Warmer
+from drafter_service.ingest.warm_sinks import ServiceSink
+from drafter_service.service.config import ServiceConfig
+from drafter_service.service.service import DrafterService
 from store.corpus_counts import NGramCounter
 
 EXAMPLES = int(os.environ.get("DRAFTER_FUZZ_EXAMPLES", "25"))

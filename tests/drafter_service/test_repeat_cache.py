@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from drafter_service.config import DrafterConfig
-from drafter_service.drafter import Drafter
-from drafter_service.repeat_cache import RepeatCache
-from drafter_service.tree import accept_greedy
+from drafter_service.api.tree import accept_greedy
+from drafter_service.core.config import DrafterConfig
+from drafter_service.core.drafter import Drafter
+from drafter_service.core.repeat_cache import RepeatCache
 
 
 def arr(*ids: int) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from drafter_service.tree import DraftTree, accept_greedy, chain, merge_trees
+from drafter_service.api.tree import DraftTree, accept_greedy, chain, merge_trees
 
 # root -> 5 -> 6 -> 7 ; root -> 8 -> 9 ; 5 -> 4
 TREE = DraftTree((5, 8, 6, 9, 7, 4), (-1, -1, 0, 1, 2, 0), (0.9, 0.5, 0.8, 0.4, 0.7, 0.1), 3.4)

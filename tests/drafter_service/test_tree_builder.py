@@ -2,12 +2,14 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from drafter_service import tree_builder
-from drafter_service.acceptance import N_KEYS, AcceptanceModel
-from drafter_service.tree_builder import BuildLimits, RowsSource, TableSource, build_tree, score_draft
-from store.ngram_table import FrozenNGramTable, LRUNGramTable
+from drafter_service.core import tree_builder
+from drafter_service.core.acceptance import N_KEYS, AcceptanceModel
+from drafter_service.core.tree_builder import BuildLimits, RowsSource, TableSource, build_tree, score_draft
+from store.corpus_counts import build_frozen_table
+from store.ngram_table import LRUNGramTable
 
 needs_native = pytest.mark.skipif(tree_builder._native is None, reason="native tree builder not built")
 
@@ -37,7 +39,7 @@ def test_agreeing_rows_make_one_likely_chain(native):
 def test_table_followers_are_chained_and_requeried(native):
     if native and tree_builder._native is None:
         pytest.skip("native tree builder not built")
-    table = FrozenNGramTable.build([[1, 2, 3, 4, 5, 6, 7]], follower_len=3)
+    table = build_frozen_table([[1, 2, 3, 4, 5, 6, 7]], follower_len=3)
     tree, _ = build_tree([1], [], [TableSource(3, table, 8)], AcceptanceModel(), BuildLimits(8, 8, 0.0),
                          native=native)
     # leader 1 -> (2, 3, 4); at 4 the table is queried again: 4 -> (5, 6, 7)
@@ -99,7 +101,7 @@ def test_native_builder_equals_python_reference(scenario):
     for native in (False, True):
         dynamic = LRUNGramTable(leader_len=leader_len, follower_len=2, leader_capacity=8, follower_capacity=4)
         dynamic.update(history)
-        frozen = FrozenNGramTable.build([corpus], leader_len=leader_len, follower_len=3)
+        frozen = build_frozen_table([corpus], leader_len=leader_len, follower_len=3)
         tables = [TableSource(2, dynamic, 3), TableSource(3, frozen, 2)]
         tree, (offsets, keys, priors) = build_tree(context, sources, tables, model, limits, native=native)
         tree.check_invariants(max_nodes=limits.max_nodes, max_depth=limits.max_depth)

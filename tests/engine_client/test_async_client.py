@@ -6,15 +6,15 @@ import time
 import grpc
 import numpy as np
 import pytest
+from serving import free_port
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.config import DrafterConfig
-from drafter_service.server import create_server
-from drafter_service.service_config import ServiceConfig
-from drafter_service.tree import EMPTY_TREE, accept_greedy
+from drafter_service.api.tree import EMPTY_TREE, accept_greedy
+from drafter_service.core.config import DrafterConfig
+from drafter_service.rpc.server import create_server
+from drafter_service.service.config import ServiceConfig
 from engine_client import AsyncDrafterClient, DrafterClient, DrafterRequestError
-from serving import free_port
 
 VOCAB = 1000
 CONFIG = ServiceConfig(drafter=DrafterConfig(capacity=1 << 16, tail_tokens=64), default_vocab_size=VOCAB,

@@ -12,15 +12,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from serving import free_port, wait_serving
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.config import DrafterConfig
-from drafter_service.server import create_server
-from drafter_service.service_config import ServiceConfig
-from drafter_service.tree import EMPTY_TREE, DraftTree, accept_greedy
-from engine_client import DraftSource, DrafterClient, DrafterRequestError, DrafterUnavailable
-from serving import free_port, wait_serving
+from drafter_service.api.tree import EMPTY_TREE, DraftTree, accept_greedy
+from drafter_service.core.config import DrafterConfig
+from drafter_service.rpc.server import create_server
+from drafter_service.service.config import ServiceConfig
+from engine_client import DrafterClient, DrafterRequestError, DrafterUnavailable, DraftSource
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 1000

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
-from drafter_service.tree import EMPTY_TREE, DraftTree
+from drafter_service.api.tree import EMPTY_TREE, DraftTree
 from engine_client.client_common import Backoff, ClientStats, DrafterRequestError, IngestBuffer, check_tokens
 from engine_client.draft_reuse import SessionBook, descend, reusable_subtree, settle_all, tree_of
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from drafter_service.tree import EMPTY_TREE, DraftTree, chain
+from drafter_service.api.tree import EMPTY_TREE, DraftTree, chain
 from engine_client.draft_source import DraftSource, NoDrafts
 from engine_client.engine import GenerationResult, ReferenceEngine, default_device, greedy_reference
 

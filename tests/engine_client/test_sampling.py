@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafter_service.tree import DraftTree
+from drafter_service.api.tree import DraftTree
 from engine_client import verification
 from engine_client.engine import ReferenceEngine
 from engine_client.verification import process_logits, sample_verify

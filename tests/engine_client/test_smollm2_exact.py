@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter_service.bench.model import chat_prompt, load_smollm2
-from drafter_service.bench.tokenizer import load_smollm2_tokenizer
-from drafter_service.config import DrafterConfig
-from drafter_service.server import create_server
-from drafter_service.service_config import ServiceConfig
-from drafter_service.tree import DraftTree, chain
+from drafter_service.api.tree import DraftTree, chain
+from drafter_service.core.config import DrafterConfig
+from drafter_service.datasets.target_model import chat_prompt, load_smollm2
+from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
+from drafter_service.rpc.server import create_server
+from drafter_service.service.config import ServiceConfig
 from engine_client.client import DrafterClient
 from engine_client.engine import ReferenceEngine, greedy_reference
 

@@ -8,9 +8,9 @@ import pytest
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.config import DrafterConfig
-from drafter_service.server import create_server
-from drafter_service.service_config import ServiceConfig
+from drafter_service.core.config import DrafterConfig
+from drafter_service.rpc.server import create_server
+from drafter_service.service.config import ServiceConfig
 from engine_client import AsyncDrafterClient, DrafterClient, DrafterRequestError
 
 CONFIG = ServiceConfig(drafter=DrafterConfig(capacity=1 << 12), default_vocab_size=100)

@@ -9,10 +9,15 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from engine_client.kv_cache import (cache_length, check_invariants, keep_block_entries, new_cache,
-                                    trim_to_windows)
-from engine_client.tree_attention import (ancestor_matrix, model_layer_types, model_tree_mask, tree_depths,
-                                          tree_mask, tree_positions)
+from engine_client.kv_cache import cache_length, check_invariants, keep_block_entries, new_cache, trim_to_windows
+from engine_client.tree_attention import (
+    ancestor_matrix,
+    model_layer_types,
+    model_tree_mask,
+    tree_depths,
+    tree_mask,
+    tree_positions,
+)
 
 VOCAB = 100
 TOL = 1e-5

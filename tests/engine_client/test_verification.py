@@ -6,8 +6,14 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from engine_client.verification import (acceptance_probability, child_lists, greedy_verify, process_logits,
-                                        residual, sample_verify)
+from engine_client.verification import (
+    acceptance_probability,
+    child_lists,
+    greedy_verify,
+    process_logits,
+    residual,
+    sample_verify,
+)
 
 V = 10
 

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.config import DrafterConfig
-from drafter_service.runtime import Runtime
-from drafter_service.service_config import NAME_RE, NamespaceSpec, ServiceConfig
-
+from drafter_service.api.names import NAME_RE
+from drafter_service.core.config import DrafterConfig
+from drafter_service.runtime.runtime import Runtime
+from drafter_service.service.config import NamespaceSpec, ServiceConfig
 
 EXAMPLES = int(os.environ.get("DRAFTER_FUZZ_EXAMPLES", "25"))
 DEADLINE_S = 20.0  # every call has one: a hang fails the test

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from drafter_service.cli import main
-from drafter_service.config import DrafterConfig
-from drafter_service.server import create_server
-from drafter_service.service_config import ServiceConfig
+from drafter_service.cli.main import main
+from drafter_service.core.config import DrafterConfig
+from drafter_service.rpc.server import create_server
+from drafter_service.service.config import ServiceConfig
 
 
 @pytest.fixture

@@ -9,11 +9,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.backpressure import StreamLimit
-from drafter_service.config import DrafterConfig
-from drafter_service.errors import ResourceExhausted
-from drafter_service.server import create_server
-from drafter_service.service_config import ServiceConfig
+from drafter_service.api.errors import ResourceExhausted
+from drafter_service.core.config import DrafterConfig
+from drafter_service.rpc.backpressure import StreamLimit
+from drafter_service.rpc.server import create_server
+from drafter_service.service.config import ServiceConfig
 
 
 class OpenStream:
@@ -139,8 +139,8 @@ def test_defaults_leave_a_quarter_of_the_threads_to_unary_calls():
 
 
 def test_serve_flags_and_their_environment_variables_set_the_limits(monkeypatch):
-    from drafter_service.cli import build_parser
-    from drafter_service.cli_serve import config_from_args
+    from drafter_service.cli.main import build_parser
+    from drafter_service.cli.serve import config_from_args
 
     monkeypatch.setenv("DRAFTER_MAX_CONCURRENT_RPCS", "40")
     args = build_parser().parse_args(["serve", "--workers", "8", "--max-streams", "5", "--max-request-tokens", "99",

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from drafter_service.config import DrafterConfig
-from drafter_service.runtime import Runtime
-from drafter_service.service_config import ServiceConfig
-from drafter_service.tree import accept_greedy
+from drafter_service.api.tree import accept_greedy
+from drafter_service.core.config import DrafterConfig
+from drafter_service.runtime.runtime import Runtime
+from drafter_service.service.config import ServiceConfig
 from engine_client import DrafterClient
 
 ROOT = Path(__file__).resolve().parents[2]

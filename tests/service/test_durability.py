@@ -12,12 +12,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.cli_serve import add_serve_commands, config_from_args
-from drafter_service.config import DrafterConfig
-from drafter_service.namespace import Namespace
-from drafter_service.runtime import Runtime
-from drafter_service.service_config import ServiceConfig
-from drafter_service.spooling import SpoolingLog, spool_folder
+from drafter_service.cli.serve import add_serve_commands, config_from_args
+from drafter_service.core.config import DrafterConfig
+from drafter_service.namespaces.namespace import Namespace
+from drafter_service.namespaces.spooling import SpoolingLog, spool_folder
+from drafter_service.runtime.runtime import Runtime
+from drafter_service.service.config import ServiceConfig
 from store.persistence import PersistenceUnavailable, RedisPersistence
 from store.spool import Spool, SpoolRecord, new_id
 

@@ -6,10 +6,12 @@ import pytest
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.config import DrafterConfig
-from drafter_service.runtime import Runtime
-from drafter_service.service_config import NamespaceSpec, ServiceConfig
-from engine_client.admin import frozen_table_chunks, list_frozen_tables, put_frozen_table, remove_frozen_table
+from drafter_service.api.frozen_wire import frozen_table_chunks
+from drafter_service.core.config import DrafterConfig
+from drafter_service.runtime.runtime import Runtime
+from drafter_service.service.config import NamespaceSpec, ServiceConfig
+from engine_client.admin import list_frozen_tables, put_frozen_table, remove_frozen_table
+from store.corpus_counts import build_frozen_table
 from store.frozen_table import FrozenNGramTable
 
 VOCAB = 1000
@@ -75,7 +77,7 @@ def test_put_list_draft_replace_remove(service):
 
 def test_a_big_table_in_many_chunks_survives_a_restart(redis_server):
     rng = np.random.default_rng(0)
-    table = FrozenNGramTable.build([rng.integers(0, VOCAB, 3000) for _ in range(4)], 1, 3, 400, 16)
+    table = build_frozen_table([rng.integers(0, VOCAB, 3000) for _ in range(4)], 1, 3, 400, 16)
     assert len(list(frozen_table_chunks(table, "big", chunk_bytes=2000))) > 10
     runtime, address = start(redis_server.url)
     try:

@@ -11,15 +11,44 @@ import threading
 
 import grpc
 import pytest
+from fuzz_harness import (
+    BUDGETS,
+    CAPACITY,
+    DEADLINE_S,
+    EXAMPLES,
+    LIMITS,
+    METHODS,
+    NAMESPACES,
+    PLAUSIBLE,
+    REQUEST_BYTES,
+    SECONDS,
+    SEQUENCES,
+    SESSION_IDS,
+    TABLE_NAMES,
+    TABLES,
+    TOKENS,
+    VOCAB,
+    Fuzzed,
+    check_tree,
+    in_limits,
+    mostly,
+    send_raw,
+    table_valid,
+    valid_seconds,
+    valid_tokens,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
-from fuzz_harness import (BUDGETS, CAPACITY, DEADLINE_S, EXAMPLES, LIMITS, METHODS, NAMESPACES, PLAUSIBLE,
-                          REQUEST_BYTES, SECONDS, SEQUENCES, SESSION_IDS, TABLE_NAMES, TABLES, TOKENS, VOCAB, Fuzzed,
-                          check_tree, in_limits, mostly, send_raw, table_valid, valid_seconds, valid_tokens)
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ import pytest
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.config import DrafterConfig
-from drafter_service.drafter import Drafter
-from drafter_service.server import create_server
-from drafter_service.tree import accept_greedy
-from drafter_service.service_config import NamespaceSpec, ServiceConfig
+from drafter_service.api.tree import accept_greedy
+from drafter_service.core.config import DrafterConfig
+from drafter_service.core.drafter import Drafter
+from drafter_service.rpc.server import create_server
+from drafter_service.service.config import NamespaceSpec, ServiceConfig
 
 VOCAB = 1000
 

@@ -6,11 +6,11 @@ import urllib.request
 
 import pytest
 
-from drafter_service.cli import build_parser
-from drafter_service.cli_serve import config_from_args
-from drafter_service.config import DrafterConfig
-from drafter_service.runtime import Runtime
-from drafter_service.service_config import NamespaceSpec, ServiceConfig
+from drafter_service.cli.main import build_parser
+from drafter_service.cli.serve import config_from_args
+from drafter_service.core.config import DrafterConfig
+from drafter_service.runtime.runtime import Runtime
+from drafter_service.service.config import NamespaceSpec, ServiceConfig
 
 
 @pytest.fixture(scope="module")

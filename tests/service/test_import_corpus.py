@@ -6,14 +6,13 @@ import subprocess
 
 import grpc
 import numpy as np
+from test_process import DRAFTER, free_port, start  # the `drafter serve` process helpers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.cli import main
+from drafter_service.cli.main import main
 from store.frozen_table import load_npz
-
-from test_process import DRAFTER, free_port, start  # the `drafter serve` process helpers
 
 WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "to", "it", "and"]
 STORY = "the cat sat on the mat and the dog ran to it\n"

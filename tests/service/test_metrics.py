@@ -12,9 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.config import DrafterConfig
-from drafter_service.runtime import Runtime
-from drafter_service.service_config import ServiceConfig
+from drafter_service.core.config import DrafterConfig
+from drafter_service.runtime.runtime import Runtime
+from drafter_service.service.config import ServiceConfig
 from store.embedded_redis import EmbeddedRedis
 
 VOCAB = 1000
@@ -190,7 +190,7 @@ def test_a_redis_outage_drops_points_with_a_warning_and_serving_goes_on(running,
     assert runtime.rollup.roll()[0]["healthy"] is True
     port = redis_server.port
     redis_server.stop()
-    with caplog.at_level(logging.WARNING, logger="drafter_service.timeseries"):
+    with caplog.at_level(logging.WARNING, logger="drafter_service.web.timeseries"):
         (point,) = runtime.rollup.roll()
     assert point["healthy"] is False and point["drafts"] == 0
     assert any("metric point dropped" in r.getMessage() for r in caplog.records)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from serving import free_port, wait_serving
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from serving import free_port, wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 DRAFTER = str(Path(sys.executable).parent / "drafter")

@@ -5,9 +5,9 @@ import pytest
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.config import DrafterConfig
-from drafter_service.runtime import Runtime
-from drafter_service.service_config import ServiceConfig
+from drafter_service.core.config import DrafterConfig
+from drafter_service.runtime.runtime import Runtime
+from drafter_service.service.config import ServiceConfig
 
 PROMPT = [11, 12, 13, 14]
 OUTPUT = [500 + i for i in range(40)]  # tokens no other request holds

@@ -13,11 +13,11 @@ import pytest
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.config import DrafterConfig
-from drafter_service.log_follower import LogFollower
-from drafter_service.metrics import exposition, metrics_registry
-from drafter_service.runtime import Runtime
-from drafter_service.service_config import ServiceConfig
+from drafter_service.core.config import DrafterConfig
+from drafter_service.namespaces.log_follower import LogFollower
+from drafter_service.runtime.runtime import Runtime
+from drafter_service.service.config import ServiceConfig
+from drafter_service.web.metrics import exposition, metrics_registry
 from engine_client.admin import put_frozen_table, remove_frozen_table
 from store.embedded_redis import EmbeddedRedis
 from store.frozen_table import FrozenNGramTable

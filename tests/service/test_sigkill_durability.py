@@ -15,13 +15,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from serving import free_port
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from engine_client.admin import list_frozen_tables, put_frozen_table
 from store.frozen_table import FrozenNGramTable
 from store.persistence import RedisPersistence
-from serving import free_port
 
 DRAFTER = str(Path(sys.executable).parent / "drafter")
 KILLS = int(os.environ.get("DRAFTER_KILL_CYCLES", "50"))

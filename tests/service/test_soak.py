@@ -8,9 +8,9 @@ import grpc
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.bench.datasets import load_dataset
 from drafter_service.bench.serve_bench import ServiceProcess, _fill
 from drafter_service.bench.soak import MIB, rss_bytes, soak
+from drafter_service.datasets.loaders import load_dataset
 
 
 def test_a_short_soak_has_no_errors_and_stable_memory():

@@ -13,13 +13,14 @@ import pytest
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.cli import build_parser, main
-from drafter_service.cli_serve import config_from_args
-from drafter_service.config import DrafterConfig
-from drafter_service.runtime import Runtime
-from drafter_service.server import create_server
-from drafter_service.service_config import NamespaceSpec, ServiceConfig
-from engine_client.admin import frozen_table_chunks, list_frozen_tables
+from drafter_service.api.frozen_wire import frozen_table_chunks
+from drafter_service.cli.main import build_parser, main
+from drafter_service.cli.serve import config_from_args
+from drafter_service.core.config import DrafterConfig
+from drafter_service.rpc.server import create_server
+from drafter_service.runtime.runtime import Runtime
+from drafter_service.service.config import NamespaceSpec, ServiceConfig
+from engine_client.admin import list_frozen_tables
 from engine_client.async_client import AsyncDrafterClient
 from engine_client.client import DrafterClient
 from engine_client.client_common import DrafterRequestError
@@ -301,7 +302,7 @@ def test_http_pages_need_the_http_or_admin_token(runtime, caplog):
             assert b"alpha" not in body and b"beta" not in body
         for token in (HTTP, ADMIN):
             assert http(runtime, path, token)[0] == 200, (path, token)
-    with caplog.at_level(logging.DEBUG, logger="drafter_service.http_server"):
+    with caplog.at_level(logging.DEBUG, logger="drafter_service.web.http_server"):
         status, headers, _ = http(runtime, f"/?token={HTTP}")
     assert status == 200 and "HttpOnly" in headers["Set-Cookie"]
     assert "token=***" in caplog.text and HTTP not in caplog.text  # the request line is logged without it

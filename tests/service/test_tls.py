@@ -15,16 +15,16 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from serving import free_port, wait_serving
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.cli import main
-from drafter_service.config import DrafterConfig
-from drafter_service.server import create_server
-from drafter_service.service_config import NamespaceSpec, ServiceConfig
+from drafter_service.cli.main import main
+from drafter_service.core.config import DrafterConfig
+from drafter_service.rpc.server import create_server
+from drafter_service.service.config import NamespaceSpec, ServiceConfig
 from engine_client.client import DrafterClient
 from engine_client.security import ClientSecurity
-from serving import free_port, wait_serving
 
 VOCAB = 1000
 TOKEN = secrets.token_hex(16)

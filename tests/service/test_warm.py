@@ -17,16 +17,16 @@ import pytest
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
-from drafter_service.cli import build_parser, main
-from drafter_service.cli_serve import config_from_args
-from drafter_service.config import DrafterConfig
-from drafter_service.runtime import Runtime
-from drafter_service.server import create_server
-from drafter_service.service import DrafterService
-from drafter_service.service_config import NamespaceSpec, ServiceConfig
-from drafter_service.warm import Warmer
-from drafter_service.warm_sinks import GrpcSink, WarmError
-from drafter_service.warm_state import CheckpointStore
+from drafter_service.cli.main import build_parser, main
+from drafter_service.cli.serve import config_from_args
+from drafter_service.core.config import DrafterConfig
+from drafter_service.ingest.warm import Warmer
+from drafter_service.ingest.warm_sinks import GrpcSink, WarmError
+from drafter_service.ingest.warm_state import CheckpointStore
+from drafter_service.rpc.server import create_server
+from drafter_service.runtime.runtime import Runtime
+from drafter_service.service.config import NamespaceSpec, ServiceConfig
+from drafter_service.service.service import DrafterService
 from store.persistence import RedisPersistence
 
 VOCAB = 500

@@ -8,13 +8,13 @@ import json
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from drafter_service.cli import main
-from drafter_service.config import DrafterConfig
-from drafter_service.log_reader import CHAT, TEXT, TOKENS, MalformedLine, parse_line
-from drafter_service.server import create_server
-from drafter_service.service import DrafterService
-from drafter_service.service_config import ServiceConfig
-from drafter_service.text_tokenizer import TextTokenizer, TokenizerError
+from drafter_service.cli.main import main
+from drafter_service.core.config import DrafterConfig
+from drafter_service.ingest.log_reader import CHAT, TEXT, TOKENS, MalformedLine, parse_line
+from drafter_service.ingest.text_tokenizer import TextTokenizer, TokenizerError
+from drafter_service.rpc.server import create_server
+from drafter_service.service.config import ServiceConfig
+from drafter_service.service.service import DrafterService
 from store.persistence import RedisPersistence
 
 WORDS = ["[UNK]", "<s>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system", "hello", "world", "how",

@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store.corpus_counts import GramCodec, NGramCounter
-from store.frozen_table import FrozenNGramTable
+from store.corpus_counts import GramCodec, NGramCounter, build_frozen_table
 
 
 def naive_counts(docs, span):
@@ -128,7 +127,7 @@ def test_counter_agrees_with_a_naive_counter(docs, ll, fl, lc, fc, chunk, wide):
     table = counter.table(lc, fc)
     table.check_invariants(lc, fc)
     assert list(table.items()) == naive_select(docs, ll, fl, lc, fc)
-    assert list(FrozenNGramTable.build(docs, ll, fl, lc, fc).items()) == list(table.items())
+    assert list(build_frozen_table(docs, ll, fl, lc, fc).items()) == list(table.items())
 
 
 @settings(max_examples=40, deadline=None)

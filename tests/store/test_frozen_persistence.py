@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import redis
 
+from store.corpus_counts import build_frozen_table
 from store.frozen_table import FrozenNGramTable
 from store.persistence import PersistenceError, RedisPersistence
 
@@ -12,7 +13,7 @@ VOCAB = 1000
 
 def corpus_table(seed=0, lc=50, fc=8):
     rng = np.random.default_rng(seed)
-    return FrozenNGramTable.build([rng.integers(0, 60, 800) for _ in range(5)], 1, 3, lc, fc)
+    return build_frozen_table([rng.integers(0, 60, 800) for _ in range(5)], 1, 3, lc, fc)
 
 
 def same(a, b):

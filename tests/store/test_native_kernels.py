@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drafter_service.session import DraftSession
+from drafter_service.core.session import DraftSession
 from store import match_kernels, suffix_index
 from store.match_kernels import continuations, extend_matches, scan_matches
 from store.token_store import Continuations, TokenStore

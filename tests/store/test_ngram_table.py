@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store.ngram_table import FrozenNGramTable, LRUNGramTable
+from store.corpus_counts import build_frozen_table
+from store.ngram_table import LRUNGramTable
 
 
 def contents(table: LRUNGramTable) -> list[tuple[tuple[int, ...], list[tuple[tuple[int, ...], int]]]]:
@@ -340,11 +341,11 @@ def test_frozen_table_on_a_hand_counted_corpus() -> None:
     corpus = [[1, 2, 3, 1, 2, 4, 1, 2, 3], [2, 3, 1, 2, 3], [5]]
     # pairs (LL=1, FL=2): 1->(2,3) x3, 1->(2,4) x1, 2->(3,1) x2, 2->(4,1) x1, 3->(1,2) x2, 4->(1,2) x1;
     # leader totals: 1: 4, 2: 3, 3: 2, 4: 1
-    table = FrozenNGramTable.build(corpus, leader_len=1, follower_len=2, leader_capacity=2, follower_capacity=1)
+    table = build_frozen_table(corpus, leader_len=1, follower_len=2, leader_capacity=2, follower_capacity=1)
     assert list(table.items()) == [((1,), [((2, 3), 3)]), ((2,), [((3, 1), 2)])]
     assert table.query([1]) == [((2, 3), 3)]
     assert table.query([3]) == [] and len(table) == 2
-    full = FrozenNGramTable.build(corpus, leader_len=1, follower_len=2, leader_capacity=10, follower_capacity=10)
+    full = build_frozen_table(corpus, leader_len=1, follower_len=2, leader_capacity=10, follower_capacity=10)
     assert list(full.items()) == [
         ((1,), [((2, 3), 3), ((2, 4), 1)]),
         ((2,), [((3, 1), 2), ((4, 1), 1)]),
@@ -356,13 +357,13 @@ def test_frozen_table_on_a_hand_counted_corpus() -> None:
 
 
 def test_frozen_table_ties_go_to_the_smaller_tuple() -> None:
-    table = FrozenNGramTable.build([[9, 1, 8, 2, 7, 3]], leader_len=1, follower_len=1, leader_capacity=3)
+    table = build_frozen_table([[9, 1, 8, 2, 7, 3]], leader_len=1, follower_len=1, leader_capacity=3)
     assert list(table.items()) == [((1,), [((8,), 1)]), ((2,), [((7,), 1)]), ((7,), [((3,), 1)])]
 
 
 def test_frozen_table_from_nothing() -> None:
     for corpus in ([], [[1, 2, 3]], [np.array([], dtype=np.int32)]):
-        table = FrozenNGramTable.build(corpus)
+        table = build_frozen_table(corpus)
         assert len(table) == 0 and table.query([1]) == [] and list(table.items()) == []
         table.check_invariants()
 
@@ -379,7 +380,7 @@ def test_frozen_table_from_nothing() -> None:
 def test_frozen_table_agrees_with_a_counter(corpus: list[list[int]], ll: int, fl: int, lc: int, fc: int,
                                             as_arrays: bool) -> None:
     sequences = [np.array(s, dtype=np.int32) for s in corpus] if as_arrays else corpus
-    table = FrozenNGramTable.build(sequences, leader_len=ll, follower_len=fl, leader_capacity=lc,
+    table = build_frozen_table(sequences, leader_len=ll, follower_len=fl, leader_capacity=lc,
                                    follower_capacity=fc)
     expected = naive_frozen(corpus, ll, fl, lc, fc)
     assert list(table.items()) == expected

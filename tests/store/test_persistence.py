@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import redis
 
-from drafter_service.acceptance import AcceptanceModel
+from drafter_service.core.acceptance import AcceptanceModel
+from store.corpus_counts import build_frozen_table
 from store.embedded_redis import EmbeddedRedis, EmbeddedRedisError
 from store.ngram_table import FrozenNGramTable, LRUNGramTable, PyLRUNGramTable
 from store.persistence import PersistenceError, PersistenceUnavailable, RedisPersistence
@@ -237,7 +238,7 @@ def test_failed_snapshot_keeps_the_previous_one(redis_server):
 def test_frozen_tables(redis_server):
     p = RedisPersistence(redis_server.url, "default", vocab_size=VOCAB)
     rng = np.random.default_rng(2)
-    frozen = FrozenNGramTable.build([rng.integers(0, 30, 500) for _ in range(4)], 1, 3, 20, 5)
+    frozen = build_frozen_table([rng.integers(0, 30, 500) for _ in range(4)], 1, 3, 20, 5)
     p.save_frozen("code-v1.0", frozen.items())
     p.save_frozen("chat_2", {(1,): [((2, 3, 4), 9)]})
     assert p.list_frozen() == ["chat_2", "code-v1.0"]

@@ -8,8 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from store.persistence import RedisPersistence
-from store.spool import (HEADER_BYTES, Spool, SpoolBusy, SpoolCorrupt, SpoolFull, SpoolRecord, new_id,
-                         record_bytes)
+from store.spool import HEADER_BYTES, Spool, SpoolBusy, SpoolCorrupt, SpoolFull, SpoolRecord, new_id, record_bytes
 
 WRITER, STORE = "0123456789abcdef" * 2, "fedcba9876543210" * 2
 

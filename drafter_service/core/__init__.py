@@ -1,0 +1,1 @@
+"""The drafting core: sessions, the drafter of one namespace, the tree builder and its acceptance model."""

@@ -1,0 +1,616 @@
+/* Native best-first draft tree builder and draft scoring; the same algorithm as tree_builder.py. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Evidence-key layout, identical to drafter_service/core/acceptance.py. */
+#define N_MATCH 10
+#define N_SHARE 5
+#define N_COUNT 6
+#define N_RANK 4
+#define N_AGREE 11
+#define ROWS_BASE 0
+#define FOLLOWER_BASE (ROWS_BASE + 2 * N_MATCH * N_SHARE * N_COUNT)
+#define FRESH_BASE (FOLLOWER_BASE + 2 * 2)
+#define AGREE_BASE (FRESH_BASE + 2 * N_RANK * N_COUNT)
+#define N_KEYS (AGREE_BASE + 16 * N_AGREE)
+#define MAX_TABLES 8
+#define MAX_LEADER 16
+#define FOLLOWER_PRIOR 0.6
+
+static const int MATCH_BUCKETS[] = {0, 1, 2, 3, 4, 5, 5, 6, 6, 7, 7, 7, 7, 8, 8, 8, 8};
+static const int COUNT_BUCKETS[] = {0, 1, 2, 3, 3, 4, 4, 4, 4};
+
+static int match_bucket(int m) { return m < 17 ? MATCH_BUCKETS[m] : 9; }
+static int count_bucket(long c) { return c < 9 ? COUNT_BUCKETS[c] : 5; }
+static int share_bucket(double s) { return s >= 1.0 ? 4 : (int)(s * 4); }
+static double table_prior(int kind) { return kind == 2 ? 0.3 : 0.15; }
+
+/* ---- growable buffers ---------------------------------------------------------------------- */
+
+typedef struct { void *data; Py_ssize_t len, cap, item; } Buf;
+
+static int buf_reserve(Buf *b, Py_ssize_t extra) {
+    if (b->len + extra <= b->cap) return 0;
+    Py_ssize_t cap = b->cap ? b->cap : 64;
+    while (cap < b->len + extra) cap *= 2;
+    void *d = PyMem_Realloc(b->data, (size_t)(cap * b->item));
+    if (!d) { PyErr_NoMemory(); return -1; }
+    b->data = d;
+    b->cap = cap;
+    return 0;
+}
+#define BUF(T) {NULL, 0, 0, sizeof(T)}
+#define AT(b, T, i) (((T *)(b).data)[i])
+static void buf_free(Buf *b) { PyMem_Free(b->data); b->data = NULL; b->len = b->cap = 0; }
+
+/* ---- candidates and the heap --------------------------------------------------------------- */
+
+typedef struct { int table, fol_off, fol_len, j; } State;   /* a table follower being walked */
+typedef struct {
+    double p;
+    long seq;
+    int parent, tok, depth, kinds;
+    int rows_off, rows_len, st_off, st_len, ev_off, ev_len;
+} Cand;
+
+typedef struct {                                           /* one child gathered during an expansion */
+    int tok, kinds, rank;
+    long count;
+    int here[2];                                            /* its rows of each kind */
+    int rows_off, rows_len, st_off, st_len;                 /* into the gathered scratch arrays */
+} Child;
+
+typedef struct {
+    /* inputs */
+    const int *rows[2];
+    Py_ssize_t nrows[2], width[2];
+    int match_len[2];
+    PyObject *tables[MAX_TABLES];
+    int table_kind[MAX_TABLES], table_branch[MAX_TABLES], ntables, leader_len;
+    const int *context_tail;
+    int context_len;
+    const double *acc, *trials;
+    int max_nodes, max_depth, branch;
+    double min_prob;
+    /* state */
+    Buf cands, heap, row_pool, st_pool, tok_pool, ev_key, ev_prior;
+    Buf children, scratch_rows, scratch_st, gathered_rows, gathered_st;
+    Buf out_tok, out_parent, out_prob, out_kinds, out_ev_off, out_ev_key, out_ev_prior;
+    long seq;
+} Builder;
+
+static int cand_less(const Cand *a, const Cand *b) {     /* a pops before b */
+    return a->p > b->p || (a->p == b->p && a->seq < b->seq);
+}
+
+static int heap_push(Builder *B, int ci) {
+    if (buf_reserve(&B->heap, 1) < 0) return -1;
+    int *h = (int *)B->heap.data;
+    Cand *c = (Cand *)B->cands.data;
+    Py_ssize_t i = B->heap.len++;
+    while (i > 0) {
+        Py_ssize_t up = (i - 1) / 2;
+        if (!cand_less(&c[ci], &c[h[up]])) break;
+        h[i] = h[up];
+        i = up;
+    }
+    h[i] = ci;
+    return 0;
+}
+
+static int heap_pop(Builder *B) {
+    int *h = (int *)B->heap.data;
+    Cand *c = (Cand *)B->cands.data;
+    int top = h[0];
+    int last = h[--B->heap.len];
+    Py_ssize_t n = B->heap.len, i = 0;
+    while (1) {
+        Py_ssize_t l = 2 * i + 1, r = l + 1, best = i;
+        int bi = last;
+        if (l < n && cand_less(&c[h[l]], &c[bi])) { best = l; bi = h[l]; }
+        if (r < n && cand_less(&c[h[r]], &c[bi])) { best = r; bi = h[r]; }
+        if (best == i) break;
+        h[i] = h[best];
+        i = best;
+    }
+    if (n > 0) h[i] = last;
+    return top;
+}
+
+static double estimate(const Builder *B, int key, double prior) {
+    double t = B->trials[key];
+    if (t == 0.0) return prior;
+    double e = B->acc[key] / t;
+    return e > 1.0 ? 1.0 : (e < 1e-4 ? 1e-4 : e);
+}
+
+static int row_token(const Builder *B, int r, int depth) {
+    int kind = r < B->nrows[0] ? 0 : 1;
+    Py_ssize_t i = kind ? r - B->nrows[0] : r;
+    if (depth >= B->width[kind]) return -1;
+    return B->rows[kind][i * B->width[kind] + depth];
+}
+
+static int find_child(Builder *B, int tok) {
+    Child *ch = (Child *)B->children.data;
+    for (Py_ssize_t i = 0; i < B->children.len; i++)
+        if (ch[i].tok == tok) return (int)i;
+    if (buf_reserve(&B->children, 1) < 0) return -1;
+    ch = (Child *)B->children.data;
+    Child *c = &ch[B->children.len];
+    c->tok = tok; c->kinds = 0; c->rank = 99; c->count = 0; c->here[0] = c->here[1] = 0;
+    c->rows_off = c->rows_len = c->st_off = c->st_len = 0;
+    return (int)B->children.len++;
+}
+
+/* Per-expansion scratch: rows and states are appended as (child, value) pairs, then gathered. */
+typedef struct { int child, value; } RowPair;
+typedef struct { int child; State st; } StPair;
+
+/* The leader for a table query at ``node``: the last leader_len tokens of context + path. */
+static int leader_at(Builder *B, int node, int *out) {
+    int L = B->leader_len, got = 0;
+    int tmp[MAX_LEADER];
+    while (got < L && node >= 0) {
+        tmp[got++] = AT(B->out_tok, int, node);
+        node = AT(B->out_parent, int, node);
+    }
+    for (int i = B->context_len - 1; got < L && i >= 0; i--) tmp[got++] = B->context_tail[i];
+    if (got < L) return 0;
+    for (int i = 0; i < L; i++) out[i] = tmp[L - 1 - i];
+    return 1;
+}
+
+/* The native LRU table's C API (store._lru), when that extension is built. */
+typedef struct {
+    PyTypeObject *type;
+    int (*query)(PyObject *table, const int *leader, int limit, int *out_tokens, int64_t *out_counts, int *fl_out);
+    int (*leader_len)(PyObject *table);
+} LRUTableCAPI;
+static LRUTableCAPI *lru_api;
+static PyObject *query_name;
+
+static int query_table(Builder *B, int t, const int *leader, PyObject **result) {
+    PyObject *lead = PyTuple_New(B->leader_len);
+    if (!lead) return -1;
+    for (int i = 0; i < B->leader_len; i++) PyTuple_SET_ITEM(lead, i, PyLong_FromLong(leader[i]));
+    PyObject *limit = PyLong_FromLong(B->table_branch[t]);
+    if (!limit) { Py_DECREF(lead); return -1; }
+    PyObject *argv[3] = {B->tables[t], lead, limit};
+    *result = PyObject_VectorcallMethod(query_name, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(lead);
+    Py_DECREF(limit);
+    return *result ? 0 : -1;
+}
+
+static int add_table_child(Builder *B, int t, int kind, int rank, long count, int off, int fl) {
+    int ci = find_child(B, AT(B->tok_pool, int, off));
+    if (ci < 0 || buf_reserve(&B->scratch_st, 1) < 0) return -1;
+    Child *c = &AT(B->children, Child, ci);
+    c->kinds |= 1 << kind;
+    if (rank < c->rank) { c->rank = rank; c->count = count; }
+    AT(B->scratch_st, StPair, B->scratch_st.len++) = (StPair){ci, (State){t, off, fl, 0}};
+    return 0;
+}
+
+/* Fast path for the native LRU table: followers written straight into the token pool. */
+static int query_native(Builder *B, int t, int kind, const int *leader) {
+    int64_t counts[256];
+    int limit = B->table_branch[t] < 256 ? B->table_branch[t] : 256;
+    if (buf_reserve(&B->tok_pool, (Py_ssize_t)limit * 8) < 0) return -1;
+    int fl = 0;
+    int base = (int)B->tok_pool.len;
+    int k = lru_api->query(B->tables[t], leader, limit, &AT(B->tok_pool, int, base), counts, &fl);
+    B->tok_pool.len += (Py_ssize_t)k * fl;
+    for (int rank = 0; rank < k; rank++)
+        if (add_table_child(B, t, kind, rank, (long)counts[rank], base + rank * fl, fl) < 0) return -1;
+    return 0;
+}
+
+static int expand(Builder *B, int parent, double pprob, int depth, int c_rows_off, int c_rows_len,
+                  int c_st_off, int c_st_len) {
+    B->children.len = 0;
+    B->scratch_rows.len = 0;
+    B->scratch_st.len = 0;
+    int *row_pool = (int *)B->row_pool.data;
+    int n = c_rows_len;
+    for (int i = 0; i < n; i++) {
+        int r = row_pool[c_rows_off + i];
+        int tok = row_token(B, r, depth);
+        if (tok < 0) continue;
+        int ci = find_child(B, tok);
+        if (ci < 0 || buf_reserve(&B->scratch_rows, 1) < 0) return -1;
+        int rk = r < B->nrows[0] ? 0 : 1;
+        AT(B->children, Child, ci).kinds |= 1 << rk;
+        AT(B->children, Child, ci).here[rk]++;
+        AT(B->scratch_rows, RowPair, B->scratch_rows.len++) = (RowPair){ci, r};
+    }
+    int progressing = 0;
+    for (int i = 0; i < c_st_len; i++) {
+        State st = AT(B->st_pool, State, c_st_off + i);
+        if (st.j + 1 >= st.fol_len) continue;
+        int kind = B->table_kind[st.table];
+        progressing |= 1 << kind;
+        int tok = AT(B->tok_pool, int, st.fol_off + st.j + 1);
+        int ci = find_child(B, tok);
+        if (ci < 0 || buf_reserve(&B->scratch_st, 1) < 0) return -1;
+        AT(B->children, Child, ci).kinds |= 1 << kind;
+        st.j += 1;
+        AT(B->scratch_st, StPair, B->scratch_st.len++) = (StPair){ci, st};
+    }
+    int leader[MAX_LEADER];
+    if (B->ntables && leader_at(B, parent, leader)) {
+        for (int t = 0; t < B->ntables; t++) {
+            int kind = B->table_kind[t];
+            if (progressing >> kind & 1) continue;
+            if (lru_api && Py_TYPE(B->tables[t]) == lru_api->type && lru_api->leader_len(B->tables[t]) == B->leader_len) {
+                if (query_native(B, t, kind, leader) < 0) return -1;
+                continue;
+            }
+            PyObject *res;
+            if (query_table(B, t, leader, &res) < 0) return -1;
+            PyObject *seq = PySequence_Fast(res, "table query must return a sequence");
+            Py_DECREF(res);
+            if (!seq) return -1;
+            Py_ssize_t nf = PySequence_Fast_GET_SIZE(seq);
+            for (Py_ssize_t rank = 0; rank < nf; rank++) {
+                PyObject *item = PySequence_Fast_GET_ITEM(seq, rank);
+                PyObject *fol, *cnt;
+                if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+                    PyErr_SetString(PyExc_TypeError, "table query items must be (follower, count)");
+                    Py_DECREF(seq);
+                    return -1;
+                }
+                fol = PyTuple_GET_ITEM(item, 0);
+                cnt = PyTuple_GET_ITEM(item, 1);
+                Py_ssize_t fl = PyTuple_Check(fol) ? PyTuple_GET_SIZE(fol) : -1;
+                if (fl < 1) { PyErr_SetString(PyExc_TypeError, "follower must be a non-empty tuple"); Py_DECREF(seq); return -1; }
+                long count = PyLong_AsLong(cnt);
+                if (buf_reserve(&B->tok_pool, fl) < 0) { Py_DECREF(seq); return -1; }
+                int off = (int)B->tok_pool.len;
+                for (Py_ssize_t k = 0; k < fl; k++)
+                    AT(B->tok_pool, int, off + k) = (int)PyLong_AsLong(PyTuple_GET_ITEM(fol, k));
+                if (PyErr_Occurred()) { Py_DECREF(seq); return -1; }
+                B->tok_pool.len += fl;
+                if (add_table_child(B, t, kind, (int)rank, count, off, (int)fl) < 0) { Py_DECREF(seq); return -1; }
+            }
+            Py_DECREF(seq);
+        }
+    }
+    /* Gather each child's rows and states (scratch order keeps the Python insertion order). */
+    Py_ssize_t nch = B->children.len;
+    Child *ch = (Child *)B->children.data;
+    for (Py_ssize_t i = 0; i < B->scratch_rows.len; i++) ch[AT(B->scratch_rows, RowPair, i).child].rows_len++;
+    for (Py_ssize_t i = 0; i < B->scratch_st.len; i++) ch[AT(B->scratch_st, StPair, i).child].st_len++;
+    /* Counting sort of rows and states by child, keeping their order within each child. */
+    B->gathered_rows.len = 0;
+    B->gathered_st.len = 0;
+    if (buf_reserve(&B->gathered_rows, B->scratch_rows.len) < 0 || buf_reserve(&B->gathered_st, B->scratch_st.len) < 0)
+        return -1;
+    {
+        int ro = 0, so = 0;
+        for (Py_ssize_t i = 0; i < nch; i++) {
+            ch[i].rows_off = ro; ro += ch[i].rows_len; ch[i].rows_len = 0;
+            ch[i].st_off = so; so += ch[i].st_len; ch[i].st_len = 0;
+        }
+        for (Py_ssize_t i = 0; i < B->scratch_rows.len; i++) {
+            RowPair rp = AT(B->scratch_rows, RowPair, i);
+            AT(B->gathered_rows, int, ch[rp.child].rows_off + ch[rp.child].rows_len++) = rp.value;
+        }
+        for (Py_ssize_t i = 0; i < B->scratch_st.len; i++) {
+            StPair sp = AT(B->scratch_st, StPair, i);
+            AT(B->gathered_st, State, ch[sp.child].st_off + ch[sp.child].st_len++) = sp.st;
+        }
+    }
+    /* Branch limit: stable sort by evidence count, keep the first ``branch``. */
+    int order[512];
+    int norder = nch < 512 ? (int)nch : 512;
+    for (int i = 0; i < norder; i++) order[i] = i;
+    if (nch > B->branch) {
+        for (int i = 1; i < norder; i++) {
+            int v = order[i], w = ch[v].rows_len + ch[v].st_len, j = i - 1;
+            while (j >= 0 && ch[order[j]].rows_len + ch[order[j]].st_len < w) { order[j + 1] = order[j]; j--; }
+            order[j + 1] = v;
+        }
+        norder = B->branch;
+    }
+    int at_node[2] = {0, 0};
+    for (int i = 0; i < n; i++) at_node[row_pool[c_rows_off + i] < B->nrows[0] ? 0 : 1]++;
+    for (int oi = 0; oi < norder; oi++) {
+        int ci = order[oi];
+        Child c = ch[ci];
+        int keys[4];
+        double priors[4];
+        int nev = 0;
+        double best = 0.0;
+        if (c.rows_len) {
+            for (int kind = 0; kind < 2; kind++) {
+                if (!c.here[kind]) continue;
+                double share = (double)c.here[kind] / at_node[kind];
+                int m = B->match_len[kind] + depth;
+                int key = ROWS_BASE + ((kind * N_MATCH + match_bucket(m)) * N_SHARE + share_bucket(share)) * N_COUNT
+                          + count_bucket(at_node[kind]);
+                double prior = share * (m / (m + 1.0)) * (at_node[kind] / (at_node[kind] + 0.5));
+                keys[nev] = key; priors[nev++] = prior;
+                double e = estimate(B, key, prior);
+                if (e > best) best = e;
+            }
+        }
+        if (c.st_len) {
+            State first = AT(B->gathered_st, State, c.st_off);
+            int kind = B->table_kind[first.table], key;
+            double prior;
+            if (first.j > 0) {
+                key = FOLLOWER_BASE + (kind - 2) * 2 + (first.j < 2 ? first.j : 2) - 1;
+                prior = FOLLOWER_PRIOR;
+            } else {
+                key = FRESH_BASE + ((kind - 2) * N_RANK + (c.rank < N_RANK - 1 ? c.rank : N_RANK - 1)) * N_COUNT
+                      + count_bucket(c.count);
+                prior = table_prior(kind) / (1.0 + c.rank);
+            }
+            keys[nev] = key; priors[nev++] = prior;
+            double e = estimate(B, key, prior);
+            if (e > best) best = e;
+        }
+        if (nev > 1) {
+            int key = AGREE_BASE + c.kinds * N_AGREE + (int)(best * (N_AGREE - 1));
+            keys[nev] = key; priors[nev++] = best;
+            best = estimate(B, key, best);
+        }
+        double p = pprob * best;
+        if (p < B->min_prob) continue;
+        /* Copy the child's rows, states and evidence into the pools and push it. */
+        if (buf_reserve(&B->row_pool, c.rows_len) < 0 || buf_reserve(&B->st_pool, c.st_len) < 0 ||
+            buf_reserve(&B->ev_key, nev) < 0 || buf_reserve(&B->ev_prior, nev) < 0 || buf_reserve(&B->cands, 1) < 0)
+            return -1;
+        Cand cand = {p, ++B->seq, parent, c.tok, depth + 1, c.kinds,
+                     (int)B->row_pool.len, c.rows_len, (int)B->st_pool.len, c.st_len, (int)B->ev_key.len, nev};
+        memcpy(&AT(B->row_pool, int, B->row_pool.len), &AT(B->gathered_rows, int, c.rows_off),
+               (size_t)c.rows_len * sizeof(int));
+        B->row_pool.len += c.rows_len;
+        memcpy(&AT(B->st_pool, State, B->st_pool.len), &AT(B->gathered_st, State, c.st_off),
+               (size_t)c.st_len * sizeof(State));
+        B->st_pool.len += c.st_len;
+        for (int i = 0; i < nev; i++) {
+            AT(B->ev_key, int, B->ev_key.len++) = keys[i];
+            AT(B->ev_prior, double, B->ev_prior.len++) = priors[i];
+        }
+        AT(B->cands, Cand, B->cands.len) = cand;
+        if (heap_push(B, (int)B->cands.len++) < 0) return -1;
+        row_pool = (int *)B->row_pool.data;
+    }
+    return 0;
+}
+
+static int get_rows(PyObject *obj, Py_buffer *view, const int **data, Py_ssize_t *n, Py_ssize_t *w) {
+    *data = NULL; *n = 0; *w = 0;
+    if (obj == Py_None) return 0;
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND) < 0) return -1;
+    if (view->ndim != 2 || view->itemsize != 4 || (view->format && strcmp(view->format, "i") != 0 &&
+                                                   strcmp(view->format, "<i") != 0 && strcmp(view->format, "=i") != 0)) {
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        PyErr_SetString(PyExc_TypeError, "rows must be a 2-D C-contiguous int32 array");
+        return -1;
+    }
+    *data = (const int *)view->buf;
+    *n = view->shape[0];
+    *w = view->shape[1];
+    return 0;
+}
+
+static PyObject *list_from_ints(const int *v, Py_ssize_t n) {
+    PyObject *t = PyTuple_New(n);
+    if (!t) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(t, i, PyLong_FromLong(v[i]));
+    return t;
+}
+
+static PyObject *tuple_from_doubles(const double *v, Py_ssize_t n) {
+    PyObject *t = PyTuple_New(n);
+    if (!t) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(t, i, PyFloat_FromDouble(v[i]));
+    return t;
+}
+
+/* build(context_tail, session_rows, session_match, store_rows, store_match, tables, leader_len,
+ *       accepted, trials, max_nodes, max_depth, min_prob, branch)
+ * -> (tokens, parents, probs, kinds, ev_offsets, ev_keys, ev_priors) */
+static PyObject *build(PyObject *self, PyObject *args) {
+    PyObject *ctx_obj, *rows0_obj, *rows1_obj, *tables_obj, *acc_obj, *trials_obj;
+    int m0, m1, leader_len, max_nodes, max_depth, branch;
+    double min_prob;
+    if (!PyArg_ParseTuple(args, "OOiOiOiOOiidi", &ctx_obj, &rows0_obj, &m0, &rows1_obj, &m1, &tables_obj,
+                          &leader_len, &acc_obj, &trials_obj, &max_nodes, &max_depth, &min_prob, &branch))
+        return NULL;
+    if (leader_len < 1 || leader_len > MAX_LEADER) {
+        PyErr_SetString(PyExc_ValueError, "leader_len out of range");
+        return NULL;
+    }
+    Builder B;
+    memset(&B, 0, sizeof B);
+    Buf init[] = {BUF(Cand), BUF(int), BUF(int), BUF(State), BUF(int), BUF(int), BUF(double), BUF(Child),
+                  BUF(RowPair), BUF(StPair), BUF(int), BUF(State), BUF(int), BUF(int), BUF(double), BUF(int),
+                  BUF(int), BUF(int), BUF(double)};
+    Buf *bufs[] = {&B.cands, &B.heap, &B.row_pool, &B.st_pool, &B.tok_pool, &B.ev_key, &B.ev_prior, &B.children,
+                   &B.scratch_rows, &B.scratch_st, &B.gathered_rows, &B.gathered_st, &B.out_tok, &B.out_parent,
+                   &B.out_prob, &B.out_kinds, &B.out_ev_off, &B.out_ev_key, &B.out_ev_prior};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) *bufs[i] = init[i];
+    Py_buffer v0 = {0}, v1 = {0}, vctx = {0}, vacc = {0}, vtr = {0};
+    PyObject *result = NULL, *tables = NULL;
+    int ctx_tmp[MAX_LEADER];
+    if (get_rows(rows0_obj, &v0, &B.rows[0], &B.nrows[0], &B.width[0]) < 0) goto done;
+    if (get_rows(rows1_obj, &v1, &B.rows[1], &B.nrows[1], &B.width[1]) < 0) goto done;
+    if (PyObject_GetBuffer(acc_obj, &vacc, PyBUF_SIMPLE) < 0) goto done;
+    if (PyObject_GetBuffer(trials_obj, &vtr, PyBUF_SIMPLE) < 0) goto done;
+    if (vacc.len < (Py_ssize_t)(N_KEYS * sizeof(double)) || vtr.len < (Py_ssize_t)(N_KEYS * sizeof(double))) {
+        PyErr_SetString(PyExc_ValueError, "acceptance arrays too short");
+        goto done;
+    }
+    B.acc = (const double *)vacc.buf;
+    B.trials = (const double *)vtr.buf;
+    tables = PySequence_Fast(tables_obj, "tables must be a sequence of (kind, table, branch)");
+    if (!tables) goto done;
+    B.ntables = (int)PySequence_Fast_GET_SIZE(tables);
+    if (B.ntables > MAX_TABLES) { PyErr_SetString(PyExc_ValueError, "too many tables"); goto done; }
+    for (int t = 0; t < B.ntables; t++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(tables, t);
+        if (!PyArg_ParseTuple(item, "iOi", &B.table_kind[t], &B.tables[t], &B.table_branch[t])) goto done;
+        if (B.table_kind[t] != 2 && B.table_kind[t] != 3) {
+            PyErr_SetString(PyExc_ValueError, "table kind must be 2 or 3");
+            goto done;
+        }
+    }
+    {
+        PyObject *ctx = PySequence_Fast(ctx_obj, "context must be a sequence");
+        if (!ctx) goto done;
+        Py_ssize_t cn = PySequence_Fast_GET_SIZE(ctx);
+        Py_ssize_t start = cn > leader_len ? cn - leader_len : 0;
+        for (Py_ssize_t i = start; i < cn; i++) ctx_tmp[i - start] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(ctx, i));
+        Py_DECREF(ctx);
+        if (PyErr_Occurred()) goto done;
+        B.context_tail = ctx_tmp;
+        B.context_len = (int)(cn - start);
+    }
+    B.match_len[0] = m0; B.match_len[1] = m1;
+    B.leader_len = leader_len; B.max_nodes = max_nodes; B.max_depth = max_depth;
+    B.min_prob = min_prob; B.branch = branch;
+    {
+        Py_ssize_t total = B.nrows[0] + B.nrows[1];
+        if (buf_reserve(&B.row_pool, total) < 0) goto done;
+        for (Py_ssize_t i = 0; i < total; i++) AT(B.row_pool, int, i) = (int)i;
+        B.row_pool.len = total;
+        if (expand(&B, -1, 1.0, 0, 0, (int)total, 0, 0) < 0) goto done;
+    }
+    if (buf_reserve(&B.out_ev_off, 1) < 0) goto done;
+    AT(B.out_ev_off, int, B.out_ev_off.len++) = 0;
+    while (B.heap.len && B.out_tok.len < max_nodes) {
+        Cand c = AT(B.cands, Cand, heap_pop(&B));
+        if (buf_reserve(&B.out_tok, 1) < 0 || buf_reserve(&B.out_parent, 1) < 0 || buf_reserve(&B.out_prob, 1) < 0 ||
+            buf_reserve(&B.out_kinds, 1) < 0 || buf_reserve(&B.out_ev_off, 1) < 0 ||
+            buf_reserve(&B.out_ev_key, c.ev_len) < 0 || buf_reserve(&B.out_ev_prior, c.ev_len) < 0)
+            goto done;
+        int node = (int)B.out_tok.len;
+        AT(B.out_tok, int, B.out_tok.len++) = c.tok;
+        AT(B.out_parent, int, B.out_parent.len++) = c.parent;
+        AT(B.out_prob, double, B.out_prob.len++) = c.p;
+        int low = 0;
+        while (!(c.kinds >> low & 1) && low < 8) low++;
+        AT(B.out_kinds, int, B.out_kinds.len++) = low;
+        for (int i = 0; i < c.ev_len; i++) {
+            AT(B.out_ev_key, int, B.out_ev_key.len++) = AT(B.ev_key, int, c.ev_off + i);
+            AT(B.out_ev_prior, double, B.out_ev_prior.len++) = AT(B.ev_prior, double, c.ev_off + i);
+        }
+        AT(B.out_ev_off, int, B.out_ev_off.len++) = (int)B.out_ev_key.len;
+        if (B.out_tok.len >= max_nodes) break;
+        if (c.depth < max_depth &&
+            expand(&B, node, c.p, c.depth, c.rows_off, c.rows_len, c.st_off, c.st_len) < 0)
+            goto done;
+    }
+    result = Py_BuildValue("(NNNNNNN)", list_from_ints((int *)B.out_tok.data, B.out_tok.len),
+                           list_from_ints((int *)B.out_parent.data, B.out_parent.len),
+                           tuple_from_doubles((double *)B.out_prob.data, B.out_prob.len),
+                           list_from_ints((int *)B.out_kinds.data, B.out_kinds.len),
+                           list_from_ints((int *)B.out_ev_off.data, B.out_ev_off.len),
+                           list_from_ints((int *)B.out_ev_key.data, B.out_ev_key.len),
+                           tuple_from_doubles((double *)B.out_ev_prior.data, B.out_ev_prior.len));
+done:
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) buf_free(bufs[i]);
+    if (v0.obj) PyBuffer_Release(&v0);
+    if (v1.obj) PyBuffer_Release(&v1);
+    if (vacc.obj) PyBuffer_Release(&vacc);
+    if (vtr.obj) PyBuffer_Release(&vtr);
+    (void)vctx;
+    Py_XDECREF(tables);
+    return result;
+}
+
+static int long_at(PyObject *seq, Py_ssize_t i, long *out) {
+    *out = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* score(tokens, parents, offsets, keys, priors, accepted, acc, trials, strength, horizon) -> confirmed
+ * Same as tree_builder.score_draft: every child of the root and of each confirmed node was tested. */
+static PyObject *score(PyObject *self, PyObject *args) {
+    PyObject *tok_o, *par_o, *off_o, *key_o, *pri_o, *accd_o, *acc_o, *tr_o;
+    double strength, horizon;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOdd", &tok_o, &par_o, &off_o, &key_o, &pri_o, &accd_o, &acc_o, &tr_o,
+                          &strength, &horizon))
+        return NULL;
+    PyObject *toks = NULL, *pars = NULL, *offs = NULL, *keys = NULL, *pris = NULL, *accd = NULL, *result = NULL;
+    Py_buffer va = {0}, vt = {0};
+    toks = PySequence_Fast(tok_o, "tokens"); pars = PySequence_Fast(par_o, "parents");
+    offs = PySequence_Fast(off_o, "offsets"); keys = PySequence_Fast(key_o, "keys");
+    pris = PySequence_Fast(pri_o, "priors"); accd = PySequence_Fast(accd_o, "accepted");
+    if (!toks || !pars || !offs || !keys || !pris || !accd) goto done;
+    if (PyObject_GetBuffer(acc_o, &va, PyBUF_WRITABLE) < 0 || PyObject_GetBuffer(tr_o, &vt, PyBUF_WRITABLE) < 0)
+        goto done;
+    double *acc = (double *)va.buf, *trials = (double *)vt.buf;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(toks), na = PySequence_Fast_GET_SIZE(accd);
+    if (PySequence_Fast_GET_SIZE(pars) != n || PySequence_Fast_GET_SIZE(offs) != n + 1) {
+        PyErr_SetString(PyExc_ValueError, "tree arrays of different lengths");
+        goto done;
+    }
+    long node = -1, confirmed = 0;
+    while (confirmed < na) {
+        long want, next = -2, tested = 0;
+        if (long_at(accd, confirmed, &want) < 0) goto done;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long par, tok, lo, hi;
+            if (long_at(pars, i, &par) < 0) goto done;
+            if (par != node) continue;
+            if (long_at(toks, i, &tok) < 0 || long_at(offs, i, &lo) < 0 || long_at(offs, i + 1, &hi) < 0) goto done;
+            tested++;
+            int hit = tok == want;
+            if (hit) next = (long)i;
+            for (long e = lo; e < hi; e++) {
+                long key;
+                if (long_at(keys, e, &key) < 0) goto done;
+                if (key < 0 || key >= N_KEYS) { PyErr_SetString(PyExc_ValueError, "evidence key out of range"); goto done; }
+                double prior = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(pris, e));
+                if (prior == -1.0 && PyErr_Occurred()) goto done;
+                if (trials[key] == 0.0) { acc[key] = prior * strength; trials[key] = strength; }
+                acc[key] += hit ? 1.0 : 0.0;
+                trials[key] += 1.0;
+                if (trials[key] > horizon) { acc[key] *= 0.5; trials[key] *= 0.5; }
+            }
+        }
+        if (!tested || next < 0) break;
+        node = next;
+        confirmed++;
+    }
+    result = PyLong_FromLong(confirmed);
+done:
+    if (va.obj) PyBuffer_Release(&va);
+    if (vt.obj) PyBuffer_Release(&vt);
+    Py_XDECREF(toks); Py_XDECREF(pars); Py_XDECREF(offs); Py_XDECREF(keys); Py_XDECREF(pris); Py_XDECREF(accd);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"build", build, METH_VARARGS, "Best-first draft tree (see tree_builder.build_tree)."},
+    {"score", score, METH_VARARGS, "Record a draft's verification outcome (see tree_builder.score_draft)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tree", "Native draft tree builder.", -1, methods};
+
+PyMODINIT_FUNC PyInit__tree(void) {
+    query_name = PyUnicode_InternFromString("query");
+    if (!query_name) return NULL;
+    PyObject *lru = PyImport_ImportModule("store._lru");  /* PyCapsule_Import does not import submodules */
+    Py_XDECREF(lru);
+    lru_api = lru ? (LRUTableCAPI *)PyCapsule_Import("store._lru._C_API", 0) : NULL;
+    if (!lru_api) PyErr_Clear();  /* not built: tables are queried through Python */
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "NATIVE_TABLES", lru_api != NULL) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

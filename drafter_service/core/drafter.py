@@ -1,0 +1,318 @@
+"""The drafting core of one namespace: store, n-gram tables, acceptance model and live sessions."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from drafter_service.api.errors import AlreadyExists, InvalidArgument, NotFound
+from drafter_service.api.tree import EMPTY_TREE, DraftTree, merge_trees
+from drafter_service.core.acceptance import AcceptanceModel
+from drafter_service.core.config import DrafterConfig
+from drafter_service.core.repeat_cache import RepeatCache
+from drafter_service.core.session import DraftSession
+from drafter_service.core.tree_builder import BuildLimits, RowsSource, TableSource, build_tree
+from store.ngram_table import FrozenNGramTable, LRUNGramTable, NativeLRUTable
+from store.token_store import TokenStore
+
+if TYPE_CHECKING:
+    from drafter_service.model.card import DraftModelDrafts
+
+logger = logging.getLogger(__name__)
+
+
+class _LockedTable:
+    """An n-gram table whose queries take the drafter's table lock (queries reorder leaders)."""
+
+    def __init__(self, table: LRUNGramTable, lock: threading.Lock) -> None:
+        self.table = table
+        self.leader_len = table.leader_len
+        self._lock = lock
+
+    def query(self, leader: Sequence[int], limit: int | None = None) -> list[tuple[tuple[int, ...], int]]:
+        with self._lock:
+            return self.table.query(leader, limit)
+
+
+class Drafter:
+    """Drafts trees for sessions from every source and learns from each completed request.
+
+    Lifecycle of a request: ``start`` (prompt) -> (``propose`` -> ``extend``)* -> ``end``. ``ingest``
+    adds a completed request without a session. ``rebuild`` refreshes the suffix index and is meant to
+    run off the request path.
+
+    With a ``draft_model``, each session also gets a CARD candidate cache grown by the model on its own thread;
+    its best paths are merged into every draft.
+    """
+
+    def __init__(self, config: DrafterConfig | None = None, draft_model: "DraftModelDrafts | None" = None) -> None:
+        self.config = config or DrafterConfig()
+        self.draft_model = draft_model
+        self._vocab_end = 0  # store end when the draft model's vocabulary was last chosen
+        cfg = self.config
+        self.store = TokenStore(cfg.capacity, tail_tokens=cfg.tail_tokens)
+        self.dynamic = LRUNGramTable(cfg.leader_len, cfg.follower_len, cfg.leader_capacity, cfg.follower_capacity)
+        self.frozen: dict[str, FrozenNGramTable] = {}
+        self.model = AcceptanceModel()
+        self.repeats = RepeatCache(cfg.repeat_cache_tokens)
+        self.sessions: dict[str, DraftSession] = {}
+        self._table_lock = threading.Lock()
+        self._sessions_lock = threading.Lock()
+
+    # -- validation ------------------------------------------------------------------------------------
+
+    def tokens(self, values: Sequence[int] | np.ndarray, what: str, allow_empty: bool = True) -> np.ndarray:
+        """Validate token ids against the vocabulary and return them as int32.
+
+        Raises:
+            InvalidArgument: on ids outside [0, vocab_size) or an empty array when not allowed.
+        """
+        if isinstance(values, (list, tuple)) and len(values) <= 256:  # the common small case, without numpy
+            if not values:
+                if not allow_empty:
+                    raise InvalidArgument(f"{what} is empty")
+                return np.zeros(0, dtype=np.int32)
+            lo, hi = min(values), max(values)
+            arr = None
+        else:
+            arr = np.asarray(values, dtype=np.int64).ravel()
+            if not allow_empty and arr.size == 0:
+                raise InvalidArgument(f"{what} is empty")
+            if arr.size == 0:
+                return arr.astype(np.int32)
+            lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InvalidArgument(f"{what} holds token id {bad} outside [0, {self.config.vocab_size})")
+        return np.array(values, dtype=np.int32) if arr is None else arr.astype(np.int32)
+
+    def session(self, session_id: str) -> DraftSession:
+        """The live session ``session_id``.
+
+        Raises:
+            NotFound: when there is none.
+        """
+        found = self.sessions.get(session_id)
+        if found is None:
+            raise NotFound(f"unknown session {session_id!r}")
+        return found
+
+    # -- session lifecycle -----------------------------------------------------------------------------
+
+    def start(self, session_id: str, prompt: Sequence[int] | np.ndarray, max_nodes: int = 0) -> DraftSession:
+        """Open a session for a request; its prompt also teaches the dynamic table.
+
+        Raises:
+            AlreadyExists: when ``session_id`` is live.
+            InvalidArgument: on bad token ids or budget.
+        """
+        ids = self.tokens(prompt, "prompt")
+        if max_nodes < 0:
+            raise InvalidArgument(f"max_nodes must be >= 0, got {max_nodes}")
+        with self._sessions_lock:
+            if session_id in self.sessions:
+                raise AlreadyExists(f"session {session_id!r} already exists")
+            sess = DraftSession(self, session_id, ids, max_nodes or self.config.max_nodes)
+            self.sessions[session_id] = sess
+        if self.config.use_repeat:
+            sess.repeat = self.repeats.lookup(ids)
+        if self.draft_model is not None and ids.size:
+            try:
+                sess.card = self.draft_model.open(ids, name=f"card-{session_id}")
+            except Exception:
+                logger.exception("session %s: the draft model could not start; drafting without it", session_id)
+        if self.config.use_dynamic:
+            with self._table_lock:
+                self.dynamic.update(ids.tolist())
+        return sess
+
+    def extend(self, session_id: str, accepted: Sequence[int] | np.ndarray) -> int:
+        """Append the tokens the target accepted since the last call; returns draft tokens confirmed."""
+        sess = self.session(session_id)
+        ids = self.tokens(accepted, "accepted")
+        before = len(sess)
+        if sess.repeat is not None:
+            self._follow_repeat(sess, ids)
+        hit = sess.extend(ids)
+        if sess.card is not None and ids.size:
+            model_hit = sess.card.correct(ids)
+            if model_hit is not None:
+                self.draft_model.record_step(model_hit)
+        if self.config.use_dynamic and ids.size:
+            with self._table_lock:
+                self.dynamic.update(sess.tokens[max(0, before - 8):].tolist(), new_from=min(before, 8))
+        return hit
+
+    def _follow_repeat(self, sess: DraftSession, ids: np.ndarray) -> None:
+        """Score the last repeat branch against ``ids`` and keep following it while the output matches."""
+        rep, pos = sess.repeat, sess.repeat_pos
+        expect = rep[pos:pos + ids.size]
+        k = min(expect.size, ids.size)
+        diff = np.flatnonzero(expect[:k] != ids[:k])
+        matched = int(diff[0]) if diff.size else k
+        if sess.repeat_offered:
+            offered = min(sess.repeat_offered, ids.size)
+            self.repeats.record(min(matched, offered), matched < offered)
+            sess.repeat_offered = 0
+        if matched == ids.size:
+            sess.repeat_pos = pos + matched
+        else:  # the output left the stored one (or outgrew it)
+            sess.repeat = None
+
+    def propose(self, session_id: str, max_nodes: int = 0) -> DraftTree:
+        """Draft a tree for the session's current sequence (an empty tree when nothing is known)."""
+        if max_nodes < 0:
+            raise InvalidArgument(f"max_nodes must be >= 0, got {max_nodes}")
+        sess = self.session(session_id)
+        cfg = self.config
+        repeating = sess.repeat is not None
+        budget = (max_nodes or sess.max_nodes) if repeating else sess.budget(max_nodes)
+        tokens = sess.tokens
+        if budget == 0 or tokens.size == 0:
+            return EMPTY_TREE
+        model_tree = sess.card.query(budget) if sess.card is not None else EMPTY_TREE
+        rows: list[RowsSource] = []
+        if cfg.use_session:
+            found = sess.lookup(cfg.max_match, cfg.max_occurrences, cfg.max_depth)
+            if found.match_len:
+                rows.append(RowsSource(0, found.match_len, found.rows))
+        if cfg.use_store:
+            found = self.store.lookup(tokens, cfg.max_match, cfg.max_occurrences, cfg.max_depth)
+            if found.match_len:
+                rows.append(RowsSource(1, found.match_len, found.rows))
+        tables: list[TableSource] = []
+        if cfg.use_dynamic:
+            # The native table's methods run whole under the GIL; the Python one needs the lock.
+            native = NativeLRUTable is not None and isinstance(self.dynamic, NativeLRUTable)
+            dynamic = self.dynamic if native else _LockedTable(self.dynamic, self._table_lock)
+            tables.append(TableSource(2, dynamic, cfg.table_branch))
+        if cfg.use_frozen:
+            tables.extend(TableSource(3, t, cfg.table_branch) for t in self.frozen.values())
+        limits = BuildLimits(budget, cfg.max_depth, cfg.min_prob, cfg.branch)
+        tree, evidence = build_tree(tokens[-cfg.leader_len:].tolist(), rows, tables, self.model, limits)
+        served = merge_trees(tree, model_tree, budget) if len(model_tree) else tree
+        if repeating:
+            branch = self.repeats.branch(sess.repeat, sess.repeat_pos, budget)
+            if len(branch):
+                served = merge_trees(branch, served, budget)
+                sess.repeat_offered = _path_depth(served, branch.token_ids)
+        sess.remember(tree, evidence, served)
+        return served
+
+    def closing_document(self, session_id: str, accepted: Sequence[int] | np.ndarray = ()) -> np.ndarray:
+        """The request ``end`` would store (prompt + output + ``accepted``), without changing anything.
+
+        Lets a caller make the request durable before the session is closed.
+        """
+        sess = self.session(session_id)
+        ids = self.tokens(accepted, "accepted")
+        return np.concatenate([sess.tokens, ids])
+
+    def end(self, session_id: str, accepted: Sequence[int] | np.ndarray = (),
+            document: np.ndarray | None = None) -> DraftSession:
+        """Close a session, appending its final tokens, and ingest prompt + output into the store.
+
+        ``document`` (from ``closing_document``, already stored durably) is what the store takes instead of the
+        session's tokens, so that a Draft call racing with the end cannot make memory differ from the durable log.
+        """
+        sess = self.session(session_id)
+        if len(accepted):
+            self.extend(session_id, accepted)
+        with self._sessions_lock:
+            self.sessions.pop(session_id, None)
+        self._close_card(sess)
+        doc = sess.tokens if document is None else document
+        self.store.append(doc)
+        if self.config.use_repeat:
+            self.repeats.remember(doc[:sess.prompt_len], doc[sess.prompt_len:])
+        return sess
+
+    def _close_card(self, sess: DraftSession) -> None:
+        if sess.card is not None and self.draft_model is not None:
+            self.draft_model.close(sess.card)
+            sess.card = None
+
+    def close(self) -> None:
+        """Stop every session's draft model worker (the sessions stay open without it)."""
+        with self._sessions_lock:
+            live = list(self.sessions.values())
+        for sess in live:
+            self._close_card(sess)
+
+    def document(self, prompt: Sequence[int] | np.ndarray, output: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Validate a completed request and return it as one int32 document (prompt + output).
+
+        Raises:
+            InvalidArgument: on bad token ids or an empty request.
+        """
+        doc = np.concatenate([self.tokens(prompt, "prompt"), self.tokens(output, "output")])
+        if doc.size == 0:
+            raise InvalidArgument("request has no tokens")
+        return doc
+
+    def add_document(self, doc: np.ndarray, learn: bool = True, prompt_len: int | None = None) -> None:
+        """Store a validated document; ``learn`` also feeds it to the dynamic table.
+
+        ``prompt_len`` (when known) splits it into prompt and output for the cache of repeated prompts.
+        """
+        if learn and self.config.use_dynamic:
+            with self._table_lock:
+                self.dynamic.update(doc.tolist())
+        self.store.append(doc)
+        if prompt_len is not None and self.config.use_repeat:
+            self.repeats.remember(doc[:prompt_len], doc[prompt_len:])
+
+    def ingest(self, prompt: Sequence[int] | np.ndarray, output: Sequence[int] | np.ndarray) -> None:
+        """Add a completed request that had no session (from an engine or a log)."""
+        self.add_document(self.document(prompt, output), prompt_len=len(prompt))
+
+    def add_frozen(self, name: str, table: FrozenNGramTable) -> None:
+        """Install (or replace) a frozen table under ``name``."""
+        if table.leader_len != self.config.leader_len:
+            raise InvalidArgument(f"frozen table {name!r} has leaders of {table.leader_len} tokens, "
+                                  f"expected {self.config.leader_len}")
+        self.frozen = {**self.frozen, name: table}
+
+    def remove_frozen(self, name: str) -> bool:
+        """Stop drafting from frozen table ``name`` (drafts already running finish with it); False if none."""
+        if name not in self.frozen:
+            return False
+        self.frozen = {k: t for k, t in self.frozen.items() if k != name}
+        return True
+
+    def rebuild(self) -> str | None:
+        """Rebuild whichever suffix index is due (see ``TokenStore.rebuild``)."""
+        done = self.store.rebuild()
+        if done:
+            self.refresh_draft_vocabulary()
+        return done
+
+    def refresh_draft_vocabulary(self, recent: int = 1 << 22) -> None:
+        """Let the draft model's vocabulary follow the store's most frequent tokens (after it grew by a quarter)."""
+        ring = self.store.ring
+        if self.draft_model is None or not self.draft_model.settings.vocab or ring.end < 1.25 * self._vocab_end:
+            return
+        self._vocab_end = max(ring.end, 1)
+        self.draft_model.set_frequencies(ring.read(max(ring.oldest, ring.end - recent), ring.end))
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the store or the tables are inconsistent."""
+        self.store.check_invariants()
+        self.repeats.check_invariants()
+        with self._table_lock:
+            self.dynamic.check_invariants()
+
+
+def _path_depth(tree: DraftTree, path: Sequence[int]) -> int:
+    """How many leading tokens of ``path`` the tree holds as one branch from its root."""
+    node, depth = -1, 0
+    children = tree.children()
+    for tok in path:
+        node = children.get(node, {}).get(tok, -2)
+        if node == -2:
+            break
+        depth += 1
+    return depth

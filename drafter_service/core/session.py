@@ -1,0 +1,166 @@
+"""One request being generated: its tokens, its last draft, and the correction step after verification."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from drafter_service.api.tree import EMPTY_TREE, DraftTree, accept_greedy
+from drafter_service.core.tree_builder import Evidence, score_draft
+from store.match_kernels import continuations, scan_matches
+from store.token_store import EMPTY, Continuations
+
+if TYPE_CHECKING:
+    from drafter_service.core.drafter import Drafter
+    from drafter_service.model.card import CardSession
+
+
+def path_sources(tree: DraftTree, tokens: Sequence[int], n: int) -> tuple[str, ...]:
+    """Source names of the first ``n`` nodes on the path that ``tokens`` follows down from the root.
+
+    One pass over the nodes (every parent comes before its children); "" for a node without a source name.
+    """
+    out: list[str] = []
+    if n <= 0:
+        return ()
+    sources, node, want = tree.sources, -1, tokens[0]
+    for i, (tok, parent) in enumerate(zip(tree.token_ids, tree.parents)):
+        if parent == node and tok == want:
+            out.append(sources[i] if sources else "")
+            if len(out) == n:
+                break
+            node, want = i, tokens[len(out)]
+    return tuple(out)
+
+
+class DraftSession:
+    """State of one request: prompt plus everything accepted so far, searched for prompt lookup.
+
+    Created by ``Drafter.start``; ``extend`` appends what the target accepted and learns from how the last
+    draft fared; ``propose`` drafts the next tree.
+    """
+
+    def __init__(self, drafter: "Drafter", session_id: str, prompt: np.ndarray, max_nodes: int) -> None:
+        self.drafter = drafter
+        self.session_id = session_id
+        self.prompt_len = int(prompt.size)
+        self._tokens = np.full(max(64, 2 * prompt.size), -1, dtype=np.int32)  # (capacity,) prompt + output
+        self._tokens[:prompt.size] = prompt
+        self._len = int(prompt.size)
+        self.max_nodes = int(max_nodes)
+        self._last_tree: DraftTree = EMPTY_TREE  # the model-free part of the last draft
+        self._last_evidence: Evidence | None = None
+        self._last_served: DraftTree | None = None  # the last draft as served, when it differs
+        self.card: "CardSession | None" = None  # the draft model's cache, when the namespace has one
+        self.repeat: np.ndarray | None = None  # (m,) int32 stored output of the same prompt, while followed
+        self.repeat_pos = 0  # output tokens so far, all equal to the start of ``repeat``
+        self.repeat_offered = 0  # depth of the repeat branch in the last draft served
+        self._ema_accepted = 1.0  # accepted draft tokens per step, exponentially averaged
+        self.steps = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.last_confirmed_sources: tuple[str, ...] = ()  # source of each node the last extend confirmed
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """(n,) int32 the prompt and every token appended since (read-only view)."""
+        v = self._tokens[:self._len]
+        v.flags.writeable = False
+        return v
+
+    @property
+    def output(self) -> np.ndarray:
+        """(n - prompt_len,) int32 the tokens appended after the prompt."""
+        return self._tokens[self.prompt_len:self._len].copy()
+
+    def append(self, tokens: np.ndarray) -> None:
+        """Append tokens to the sequence (no learning; ``extend`` is the verified path)."""
+        need = self._len + tokens.size
+        if need > self._tokens.size:
+            grown = np.full(max(need, 2 * self._tokens.size), -1, dtype=np.int32)
+            grown[:self._len] = self._tokens[:self._len]
+            self._tokens = grown
+        self._tokens[self._len:need] = tokens
+        self._len = need
+
+    def extend(self, accepted: np.ndarray) -> int:
+        """Correction step: learn which nodes of the last draft were accepted, then append ``accepted``.
+
+        Args:
+            accepted: (k,) int32 tokens appended to the sequence since the last call (accepted draft
+                tokens and the target's own token).
+
+        Returns:
+            Draft tokens of the last tree that ``accepted`` confirmed.
+        """
+        hit = self._score_last_draft(accepted)
+        self.append(accepted)
+        return hit
+
+    def _score_last_draft(self, accepted: np.ndarray) -> int:
+        tree, evidence, served = self._last_tree, self._last_evidence, self._last_served
+        self._last_tree, self._last_evidence, self._last_served = EMPTY_TREE, None, None
+        self.last_confirmed_sources = ()
+        n_acc = 0
+        toks = accepted.tolist()
+        if len(tree) and evidence is not None:
+            n_acc = score_draft(tree, evidence, toks, self.drafter.model)
+        if served is not None and len(served):
+            tree = served
+            n_acc = accept_greedy(served, toks)[0]
+        if not len(tree):
+            return 0
+        if n_acc:
+            self.last_confirmed_sources = path_sources(tree, toks, n_acc)
+        self.steps += 1
+        self.drafted += len(tree)
+        self.accepted += n_acc
+        self._ema_accepted += 0.25 * (n_acc - self._ema_accepted)
+        return n_acc
+
+    def budget(self, max_nodes: int = 0) -> int:
+        """Node budget for the next draft: the request's, shrunk while recent drafts were rarely accepted."""
+        cfg = self.drafter.config
+        limit = max_nodes or self.max_nodes
+        if not cfg.adaptive_budget:
+            return limit
+        wanted = round(cfg.min_nodes * (1.0 + 2.0 * self._ema_accepted))
+        return max(min(cfg.min_nodes, limit), min(limit, wanted))
+
+    def lookup(self, max_match: int, max_occurrences: int, depth: int) -> Continuations:
+        """Prompt lookup: what followed earlier occurrences of the sequence's end inside this request."""
+        import store.match_kernels as kernels  # cached in sys.modules: a dictionary lookup
+
+        native = kernels.native
+        if native is not None:
+            found = native.session_lookup(self._tokens, self._len, max_match, max_occurrences, depth)
+            if found is None:
+                return EMPTY
+            if found is not NotImplemented:
+                return Continuations(*found)
+        n = self._len
+        if n < 2:
+            return EMPTY
+        ctx_rev = self._tokens[max(0, n - max_match):n][::-1].astype(np.int64)
+        m, counts, ends = scan_matches(self._tokens, 0, n - 1, ctx_rev, ctx_rev.size, 0)
+        if m == 0:
+            return EMPTY
+        if ends.size > max_occurrences:
+            ends = ends[-max_occurrences:]
+        ends = ends[::-1]
+        return Continuations(m, counts, continuations(self._tokens, ends + 1, depth, n))
+
+    def remember(self, tree: DraftTree, evidence: Evidence, served: DraftTree | None = None) -> None:
+        """Keep the draft just served so the next ``extend`` can score it.
+
+        Args:
+            tree: the model-free tree, scored against its evidence.
+            evidence: why each of its nodes was proposed.
+            served: the tree actually served when it differs (merged with the draft model's).
+        """
+        self._last_tree, self._last_evidence = tree, evidence
+        self._last_served = served if served is not tree else None

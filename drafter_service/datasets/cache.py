@@ -1,0 +1,76 @@
+"""Where benchmark inputs live and where their derived artefacts are cached on disk."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pathlib
+import tempfile
+from typing import Iterator
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable that overrides the cache folder.
+CACHE_ENV = "DRAFTER_CACHE_DIR"
+
+#: Environment variable that overrides the shared data folder.
+SHARED_DATA_ENV = "DRAFTER_SHARED_DATA"
+
+#: Repository root (this file is ``<repo>/drafter_service/datasets/cache.py``).
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def cache_dir() -> pathlib.Path:
+    """The cache folder, created when missing.
+
+    Returns:
+        ``$DRAFTER_CACHE_DIR`` when set, otherwise ``<repo>/.cache/drafter`` (git-ignored).
+    """
+    env = os.environ.get(CACHE_ENV)
+    path = pathlib.Path(env).expanduser() if env else REPO_ROOT / ".cache" / "drafter"
+    if not path.is_dir():
+        logger.debug("creating cache folder %s", path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def shared_data_dir() -> pathlib.Path:
+    """The folder of shared benchmark data (MT-Bench questions and recorded answers).
+
+    Returns:
+        ``$DRAFTER_SHARED_DATA`` when set, otherwise ``<repo>/../shared/data``.
+
+    Raises:
+        FileNotFoundError: when the folder does not exist.
+    """
+    env = os.environ.get(SHARED_DATA_ENV)
+    path = pathlib.Path(env).expanduser() if env else REPO_ROOT.parent / "shared" / "data"
+    if not path.is_dir():
+        raise FileNotFoundError(f"shared data folder {path} not found (set ${SHARED_DATA_ENV})")
+    return path
+
+
+@contextlib.contextmanager
+def atomic_output(path: pathlib.Path) -> Iterator[pathlib.Path]:
+    """Yield a temporary path next to ``path`` that replaces it only when the block succeeds.
+
+    Readers never see a half-written cache file, and concurrent writers do not corrupt each other
+    (the last one to finish wins).
+
+    Args:
+        path: the final file.
+
+    Yields:
+        The temporary file to write.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = pathlib.Path(tmp_name)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600 files
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

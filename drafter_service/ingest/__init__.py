@@ -1,0 +1,1 @@
+"""Bringing completed requests in: warm from request logs, corpus reading and frozen-table builds."""

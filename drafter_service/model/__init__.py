@@ -1,0 +1,1 @@
+"""Optional draft models: CARD query-and-correct candidate caches, loading and distillation."""

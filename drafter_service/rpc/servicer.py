@@ -1,0 +1,100 @@
+"""The gRPC servicer: validate, call the service, convert. No logic of its own."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator
+
+import grpc
+import numpy as np
+
+from drafter_service.api.drafter.v1 import drafter_pb2 as pb
+from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
+from drafter_service.api.frozen_wire import table_from_chunks
+from drafter_service.api.tree import DraftTree
+from drafter_service.service.auth import Caller
+from drafter_service.service.service import DrafterService
+
+_SOURCES = {"session": pb.SOURCE_SESSION, "store": pb.SOURCE_STORE, "dynamic": pb.SOURCE_DYNAMIC,
+            "frozen": pb.SOURCE_FROZEN, "model": pb.SOURCE_MODEL, "repeat": pb.SOURCE_REPEAT}
+
+
+def tree_message(tree: DraftTree, confirmed: int) -> pb.DraftResponse:
+    """A DraftResponse for a tree."""
+    return pb.DraftResponse(token_ids=tree.token_ids, parents=tree.parents, probs=tree.probs, score=tree.score,
+                            sources=[_SOURCES.get(s, pb.SOURCE_UNSPECIFIED) for s in tree.sources],
+                            confirmed=confirmed)
+
+
+def frozen_info_message(header: dict) -> pb.FrozenTableInfo:
+    """A FrozenTableInfo for a frozen table's header."""
+    return pb.FrozenTableInfo(name=header["name"], source=header.get("source", ""),
+                              saved_at=header.get("saved_at", 0.0), leaders=header.get("leaders", 0),
+                              followers=header.get("followers", 0), leader_len=header.get("leader_len", 0),
+                              follower_len=header.get("follower_len", 0))
+
+
+class DrafterServicer(pb_grpc.DrafterServicer):
+    """Implements drafter.v1.Drafter on a ``DrafterService``; errors surface through the interceptor."""
+
+    def __init__(self, service: DrafterService) -> None:
+        self.service = service
+
+    def _caller(self, context: grpc.ServicerContext) -> Caller:
+        """Who calls (Unauthenticated for a malformed or unknown token); the service checks what it may use."""
+        return self.service.auth.caller(context.invocation_metadata(), context.peer())
+
+    def StartSession(self, request: pb.StartSessionRequest, context: grpc.ServicerContext) -> pb.StartSessionResponse:
+        ns = self.service.start_session(request.namespace, request.session_id, list(request.prompt),
+                                        request.max_nodes, caller=self._caller(context))
+        return pb.StartSessionResponse(session_id=request.session_id, namespace=ns.name)
+
+    def Draft(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftResponse:
+        tree, confirmed = self.service.draft(request.session_id, list(request.accepted), request.max_nodes,
+                                             request.report_only, request.step_seconds, request.plain_step_seconds,
+                                             caller=self._caller(context))
+        return tree_message(tree, confirmed)
+
+    def DraftStream(self, requests: Iterator[pb.DraftRequest], context: grpc.ServicerContext
+                    ) -> Iterator[pb.DraftResponse]:
+        draft, caller = self.service.draft, self._caller(context)
+        for request in requests:
+            tree, confirmed = draft(request.session_id, list(request.accepted), request.max_nodes,
+                                    request.report_only, request.step_seconds, request.plain_step_seconds,
+                                    caller=caller)
+            yield tree_message(tree, confirmed)
+
+    def EndSession(self, request: pb.EndSessionRequest, context: grpc.ServicerContext) -> pb.EndSessionResponse:
+        return pb.EndSessionResponse(stored_tokens=self.service.end_session(request.session_id,
+                                                                            list(request.accepted),
+                                                                            caller=self._caller(context)))
+
+    def Ingest(self, request: pb.IngestRequest, context: grpc.ServicerContext) -> pb.IngestResponse:
+        reqs = [(np.array(r.prompt, dtype=np.int32), np.array(r.output, dtype=np.int32), r.request_id)
+                for r in request.requests]
+        n, tokens, skipped = self.service.ingest(request.namespace, reqs, request.skip_duplicates,
+                                                 caller=self._caller(context))
+        return pb.IngestResponse(ingested=n, tokens=tokens, skipped=skipped)
+
+    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
+        return pb.GetStatsResponse(**self.service.stats(request.namespace, caller=self._caller(context)))
+
+    def PutFrozenTable(self, chunks: Iterator[pb.FrozenTableChunk], context: grpc.ServicerContext
+                       ) -> pb.FrozenTableInfo:
+        caller = self._caller(context)
+        first = next(chunks, None)
+        if first is not None:  # refused before the rest of the upload is read
+            self.service.namespace(first.namespace, caller)
+            chunks = itertools.chain([first], chunks)
+        namespace, name, source, table = table_from_chunks(chunks)
+        return frozen_info_message(self.service.put_frozen(namespace, name, table, source, caller=caller))
+
+    def ListFrozenTables(self, request: pb.ListFrozenTablesRequest, context: grpc.ServicerContext
+                         ) -> pb.ListFrozenTablesResponse:
+        tables = self.service.list_frozen(request.namespace, caller=self._caller(context))
+        return pb.ListFrozenTablesResponse(tables=[frozen_info_message(h) for h in tables])
+
+    def RemoveFrozenTable(self, request: pb.RemoveFrozenTableRequest, context: grpc.ServicerContext
+                          ) -> pb.RemoveFrozenTableResponse:
+        return pb.RemoveFrozenTableResponse(removed=self.service.remove_frozen(request.namespace, request.name,
+                                                                               caller=self._caller(context)))

@@ -1,0 +1,1 @@
+"""The service: namespaces and sessions routed per tenant, authorization, and its configuration."""

@@ -1,0 +1,187 @@
+"""The service behind the gRPC API: namespaces, session routing, limits, and start-up and shut-down."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from drafter_service.api.errors import InvalidArgument, NotFound
+from drafter_service.api.names import DEFAULT_NAMESPACE, check_name
+from drafter_service.api.tree import DraftTree
+from drafter_service.namespaces.namespace import Namespace
+from drafter_service.service.auth import TRUSTED, Authorizer, Caller
+from drafter_service.service.config import ServiceConfig
+from drafter_service.service.session_routes import SessionRoutes
+
+if TYPE_CHECKING:
+    from store.frozen_table import FrozenNGramTable
+
+logger = logging.getLogger(__name__)
+
+PersistenceFactory = Callable[[str, int], object]
+"""(namespace name, vocab size) -> a persistence object for it, or None for memory only."""
+
+
+class DrafterService:
+    """Every namespace of one service, and which namespace each live session belongs to."""
+
+    def __init__(self, config: ServiceConfig, persistence: PersistenceFactory | None = None) -> None:
+        self.config = config
+        self.namespaces: dict[str, Namespace] = {}
+        drafts = {}
+        for model_spec in config.draft_models:  # loaded first: a bad model refuses to start with nothing opened
+            from drafter_service.model.card import load_drafts
+
+            ns_spec = config.namespace(model_spec.namespace)
+            drafts[model_spec.namespace] = load_drafts(model_spec, ns_spec.vocab_size)
+        for spec in config.namespaces:
+            store = persistence(spec.name, spec.vocab_size) if persistence is not None else None
+            self.namespaces[spec.name] = Namespace.create(spec.name, config.drafter, spec.vocab_size, store,
+                                                          drafts.get(spec.name))
+        self.auth = Authorizer.from_config(config)
+        self.sessions = SessionRoutes(config.max_sessions, config.max_sessions_per_client)
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    def restore(self) -> dict[str, int]:
+        """Reload every namespace from persistence; returns requests restored per namespace."""
+        restored = {}
+        for name, ns in self.namespaces.items():
+            t0 = time.perf_counter()
+            restored[name] = ns.restore()
+            logger.info("namespace %s: %d requests restored in %.2f s", name, restored[name],
+                        time.perf_counter() - t0)
+        return restored
+
+    def close(self) -> None:
+        """Stop the draft model workers of every namespace."""
+        for ns in self.namespaces.values():
+            ns.drafter.close()
+
+    def snapshot(self) -> None:
+        """Save every namespace's dynamic table and statistics (background job and shut-down)."""
+        for ns in self.namespaces.values():
+            try:
+                ns.snapshot()
+            except Exception:
+                logger.exception("namespace %s: snapshot failed", ns.name)
+
+    def rebuild_due(self) -> None:
+        """Rebuild whichever suffix indexes are due (background job)."""
+        for ns in self.namespaces.values():
+            ns.rebuild()
+
+    # -- routing --------------------------------------------------------------------------------------
+
+    def namespace(self, name: str, caller: Caller | None = None) -> Namespace:
+        """The namespace ``name`` ("" means default), when ``caller`` may use it (None: an in-process caller).
+
+        Raises:
+            InvalidArgument: a malformed name.
+            Unauthenticated, PermissionDenied: the caller may not use it; an unknown namespace is refused the
+                same way, so callers learn nothing of namespaces they may not use (see ``Authorizer``).
+            NotFound: when it is not declared (and the caller may use every namespace).
+        """
+        name = name or DEFAULT_NAMESPACE
+        found = self.namespaces.get(name)
+        if found is None:
+            try:
+                check_name(name)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+        self.auth.check(caller or TRUSTED, name, found is not None)
+        if found is None:
+            raise NotFound(f"unknown namespace {name!r}")
+        return found
+
+    def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
+        if len(tokens) > self.config.max_request_tokens:
+            raise InvalidArgument(f"{what} holds {len(tokens)} tokens, more than the limit "
+                                  f"{self.config.max_request_tokens}")
+
+    def _check_growth(self, ns: Namespace, session_id: str, accepted: Sequence[int]) -> None:
+        """Refuse ``accepted`` when it would take the session's output beyond ``max_request_tokens``."""
+        sess = ns.drafter.sessions.get(session_id)
+        if sess is not None and len(sess) - sess.prompt_len + len(accepted) > self.config.max_request_tokens:
+            shown = session_id.split("\x00")[0]  # the caller's id, without its scope
+            raise InvalidArgument(f"session {shown!r} would hold {len(sess) - sess.prompt_len + len(accepted)} "
+                                  f"output tokens, more than the limit {self.config.max_request_tokens}")
+
+    def _check_budget(self, max_nodes: int) -> None:
+        if max_nodes < 0 or max_nodes > self.config.max_nodes_limit:
+            raise InvalidArgument(f"max_nodes must be in [0, {self.config.max_nodes_limit}], got {max_nodes}")
+
+    # -- the API --------------------------------------------------------------------------------------
+
+    def start_session(self, namespace: str, session_id: str, prompt: Sequence[int], max_nodes: int = 0,
+                      caller: Caller | None = None) -> Namespace:
+        """Open a session in a namespace; its id is unique among the live sessions of the caller's scope."""
+        ns = self.namespace(namespace, caller)  # callers without rights learn nothing more
+        if not session_id or len(session_id) > 256 or "\x00" in session_id:
+            raise InvalidArgument("session_id must be 1 to 256 characters, without NUL")
+        self._check_tokens(prompt, "prompt")
+        self._check_budget(max_nodes)
+        self.sessions.open(caller or TRUSTED, session_id, ns, lambda key: ns.drafter.start(key, prompt, max_nodes))
+        return ns
+
+    def draft(self, session_id: str, accepted: Sequence[int], max_nodes: int = 0, report_only: bool = False,
+              step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
+              caller: Caller | None = None) -> tuple[DraftTree, int]:
+        """Correct the session with ``accepted`` and draft the next tree (none when ``report_only``).
+
+        ``step_seconds`` and ``plain_step_seconds`` are the engine's reported step times (0: not reported), each
+        in [0, 3600]; they only feed the statistics.
+        """
+        self._check_tokens(accepted, "accepted")
+        self._check_budget(max_nodes)
+        for name, value in (("step_seconds", step_seconds), ("plain_step_seconds", plain_step_seconds)):
+            if not 0.0 <= value <= 3600.0:  # also refuses NaN
+                raise InvalidArgument(f"{name} must be in [0, 3600], got {value}")
+        ns, key = self.sessions.get(caller or TRUSTED, session_id)  # another scope's session is NOT_FOUND
+        self._check_growth(ns, key, accepted)
+        return ns.draft(key, accepted, max_nodes, report_only, step_seconds, plain_step_seconds)
+
+    def end_session(self, session_id: str, accepted: Sequence[int], caller: Caller | None = None) -> int:
+        """Store the request durably and close its session; returns the tokens stored."""
+        self._check_tokens(accepted, "accepted")
+        ns, key = self.sessions.get(caller or TRUSTED, session_id)
+        self._check_growth(ns, key, accepted)
+        stored = ns.end_session(key, accepted, request_id=session_id)
+        self.sessions.close(caller or TRUSTED, session_id)
+        return stored
+
+    def ingest(self, namespace: str, requests: Sequence[tuple[Sequence[int], Sequence[int], str]],
+               skip_duplicates: bool = False, caller: Caller | None = None) -> tuple[int, int, int]:
+        """Store completed requests durably; returns (requests stored, tokens, duplicates skipped).
+
+        With ``skip_duplicates`` a request already stored (same request id, or same prompt and output) is
+        left out.
+        """
+        ns = self.namespace(namespace, caller)
+        if not requests:
+            raise InvalidArgument("no requests to ingest")
+        if len(requests) > self.config.max_ingest_requests:
+            raise InvalidArgument(f"{len(requests)} requests in one call, more than the limit "
+                                  f"{self.config.max_ingest_requests}")
+        for i, (prompt, output, _) in enumerate(requests):
+            self._check_tokens(prompt, f"request {i} prompt")
+            self._check_tokens(output, f"request {i} output")
+        return ns.ingest(requests, skip_duplicates)
+
+    def stats(self, namespace: str, caller: Caller | None = None) -> dict[str, object]:
+        """GetStats figures of one namespace."""
+        return self.namespace(namespace, caller).stats()
+
+    def put_frozen(self, namespace: str, name: str, table: "FrozenNGramTable", source: str = "",
+                   caller: Caller | None = None) -> dict:
+        """Store a frozen table durably and draft from it (replacing one of that name); returns its header."""
+        return self.namespace(namespace, caller).frozen_tables.put(name, table, source)
+
+    def list_frozen(self, namespace: str, caller: Caller | None = None) -> list[dict]:
+        """Headers of a namespace's frozen tables, by name."""
+        return self.namespace(namespace, caller).frozen_tables.list()
+
+    def remove_frozen(self, namespace: str, name: str, caller: Caller | None = None) -> bool:
+        """Delete a frozen table and stop drafting from it; False when there was none."""
+        return self.namespace(namespace, caller).frozen_tables.remove(name)

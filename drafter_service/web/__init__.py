@@ -1,0 +1,1 @@
+"""The HTTP side: Prometheus metrics, a time series of speedup per namespace, and the dashboard."""
