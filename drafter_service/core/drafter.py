@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -12,14 +12,12 @@ from drafter_service.api.errors import AlreadyExists, InvalidArgument, NotFound
 from drafter_service.api.tree import EMPTY_TREE, DraftTree, merge_trees
 from drafter_service.core.acceptance import AcceptanceModel
 from drafter_service.core.config import DrafterConfig
+from drafter_service.core.model_drafts import ModelDrafts
 from drafter_service.core.repeat_cache import RepeatCache
-from drafter_service.core.session import DraftSession
+from drafter_service.core.session import BudgetPolicy, Confirmation, DraftSession
 from drafter_service.core.tree_builder import BuildLimits, RowsSource, TableSource, build_tree
 from store.ngram_table import FrozenNGramTable, LRUNGramTable, NativeLRUTable
 from store.token_store import TokenStore
-
-if TYPE_CHECKING:
-    from drafter_service.model.card import DraftModelDrafts
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +38,16 @@ class _LockedTable:
 class Drafter:
     """Drafts trees for sessions from every source and learns from each completed request.
 
-    Lifecycle of a request: ``start`` (prompt) -> (``propose`` -> ``extend``)* -> ``end``. ``ingest``
-    adds a completed request without a session. ``rebuild`` refreshes the suffix index and is meant to
-    run off the request path.
+    Lifecycle of a request: ``start`` (prompt) -> (``propose`` -> ``extend``)* -> ``end``, by session id, with
+    every argument validated. The service, which validates requests itself and holds the session objects, calls
+    ``correct``, ``draft`` and ``finish`` on a ``DraftSession`` instead. ``ingest`` adds a completed request
+    without a session. ``rebuild`` refreshes the suffix index and is meant to run off the request path.
 
     With a ``draft_model``, each session also gets a CARD candidate cache grown by the model on its own thread;
     its best paths are merged into every draft.
     """
 
-    def __init__(self, config: DrafterConfig | None = None, draft_model: "DraftModelDrafts | None" = None) -> None:
+    def __init__(self, config: DrafterConfig | None = None, draft_model: ModelDrafts | None = None) -> None:
         self.config = config or DrafterConfig()
         self.draft_model = draft_model
         self._vocab_end = 0  # store end when the draft model's vocabulary was last chosen
@@ -59,6 +58,7 @@ class Drafter:
         self.model = AcceptanceModel()
         self.repeats = RepeatCache(cfg.repeat_cache_tokens)
         self.sessions: dict[str, DraftSession] = {}
+        self._policy = BudgetPolicy(cfg.adaptive_budget, cfg.min_nodes)
         self._table_lock = threading.Lock()
         self._sessions_lock = threading.Lock()
 
@@ -115,7 +115,7 @@ class Drafter:
         with self._sessions_lock:
             if session_id in self.sessions:
                 raise AlreadyExists(f"session {session_id!r} already exists")
-            sess = DraftSession(self, session_id, ids, max_nodes or self.config.max_nodes)
+            sess = DraftSession(session_id, ids, max_nodes or self.config.max_nodes, self.model, self._policy)
             self.sessions[session_id] = sess
         if self.config.use_repeat:
             sess.repeat = self.repeats.lookup(ids)
@@ -131,24 +131,32 @@ class Drafter:
 
     def extend(self, session_id: str, accepted: Sequence[int] | np.ndarray) -> int:
         """Append the tokens the target accepted since the last call; returns draft tokens confirmed."""
-        sess = self.session(session_id)
-        ids = self.tokens(accepted, "accepted")
+        return self.correct(self.session(session_id), self.tokens(accepted, "accepted")).tokens
+
+    def correct(self, sess: DraftSession, ids: np.ndarray) -> Confirmation:
+        """The correction step of a live session: score its last draft against ``ids``, then append them.
+
+        Args:
+            sess: a session of this drafter.
+            ids: (k,) int32 token ids already validated (see ``tokens``).
+        """
         before = len(sess)
         if sess.repeat is not None:
             self._follow_repeat(sess, ids)
-        hit = sess.extend(ids)
-        if sess.card is not None and ids.size:
+        confirmed = sess.extend(ids)
+        if sess.card is not None and ids.size and self.draft_model is not None:
             model_hit = sess.card.correct(ids)
             if model_hit is not None:
                 self.draft_model.record_step(model_hit)
         if self.config.use_dynamic and ids.size:
             with self._table_lock:
                 self.dynamic.update(sess.tokens[max(0, before - 8):].tolist(), new_from=min(before, 8))
-        return hit
+        return confirmed
 
     def _follow_repeat(self, sess: DraftSession, ids: np.ndarray) -> None:
         """Score the last repeat branch against ``ids`` and keep following it while the output matches."""
         rep, pos = sess.repeat, sess.repeat_pos
+        assert rep is not None
         expect = rep[pos:pos + ids.size]
         k = min(expect.size, ids.size)
         diff = np.flatnonzero(expect[:k] != ids[:k])
@@ -166,7 +174,10 @@ class Drafter:
         """Draft a tree for the session's current sequence (an empty tree when nothing is known)."""
         if max_nodes < 0:
             raise InvalidArgument(f"max_nodes must be >= 0, got {max_nodes}")
-        sess = self.session(session_id)
+        return self.draft(self.session(session_id), max_nodes)
+
+    def draft(self, sess: DraftSession, max_nodes: int = 0) -> DraftTree:
+        """Draft a tree for a live session within ``max_nodes`` (>= 0; 0: the session's default)."""
         cfg = self.config
         repeating = sess.repeat is not None
         budget = (max_nodes or sess.max_nodes) if repeating else sess.budget(max_nodes)
@@ -194,7 +205,7 @@ class Drafter:
         limits = BuildLimits(budget, cfg.max_depth, cfg.min_prob, cfg.branch)
         tree, evidence = build_tree(tokens[-cfg.leader_len:].tolist(), rows, tables, self.model, limits)
         served = merge_trees(tree, model_tree, budget) if len(model_tree) else tree
-        if repeating:
+        if sess.repeat is not None:
             branch = self.repeats.branch(sess.repeat, sess.repeat_pos, budget)
             if len(branch):
                 served = merge_trees(branch, served, budget)
@@ -202,27 +213,28 @@ class Drafter:
         sess.remember(tree, evidence, served)
         return served
 
-    def closing_document(self, session_id: str, accepted: Sequence[int] | np.ndarray = ()) -> np.ndarray:
-        """The request ``end`` would store (prompt + output + ``accepted``), without changing anything.
-
-        Lets a caller make the request durable before the session is closed.
-        """
+    def end(self, session_id: str, accepted: Sequence[int] | np.ndarray = ()) -> DraftSession:
+        """Close a session, appending its final tokens, and ingest prompt + output into the store."""
         sess = self.session(session_id)
-        ids = self.tokens(accepted, "accepted")
-        return np.concatenate([sess.tokens, ids])
+        return self.finish(sess, self.tokens(accepted, "accepted"))
 
-    def end(self, session_id: str, accepted: Sequence[int] | np.ndarray = (),
-            document: np.ndarray | None = None) -> DraftSession:
-        """Close a session, appending its final tokens, and ingest prompt + output into the store.
+    def finish(self, sess: DraftSession, ids: np.ndarray, document: np.ndarray | None = None) -> DraftSession:
+        """Close a live session after appending ``ids`` (validated), and store prompt + output.
 
-        ``document`` (from ``closing_document``, already stored durably) is what the store takes instead of the
-        session's tokens, so that a Draft call racing with the end cannot make memory differ from the durable log.
+        ``document`` (the session's tokens and ``ids``, already stored durably) is what the store takes instead of
+        the session's tokens, so that a Draft call racing with the end cannot make memory differ from the durable
+        log.
+
+        Raises:
+            NotFound: the session has already ended.
         """
-        sess = self.session(session_id)
-        if len(accepted):
-            self.extend(session_id, accepted)
         with self._sessions_lock:
-            self.sessions.pop(session_id, None)
+            if sess.closed:
+                raise NotFound(f"session {sess.session_id!r} has ended")
+            sess.closed = True
+            self.sessions.pop(sess.session_id, None)
+        if ids.size:
+            self.correct(sess, ids)
         self._close_card(sess)
         doc = sess.tokens if document is None else document
         self.store.append(doc)

@@ -2,18 +2,53 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+import store.match_kernels as kernels
 from drafter_service.api.tree import EMPTY_TREE, DraftTree, accept_greedy
+from drafter_service.core.acceptance import AcceptanceModel
+from drafter_service.core.model_drafts import ModelSession
 from drafter_service.core.tree_builder import Evidence, score_draft
-from store.match_kernels import continuations, scan_matches
 from store.token_store import EMPTY, Continuations
 
-if TYPE_CHECKING:
-    from drafter_service.core.drafter import Drafter
-    from drafter_service.model.card import CardSession
+
+@dataclass(frozen=True)
+class BudgetPolicy:
+    """How many nodes a session's next draft may use.
+
+    Attributes:
+        adaptive: shrink the budget while recent drafts were rarely accepted (else always the full limit).
+        min_nodes: the smallest adaptive budget (or the limit, when smaller).
+    """
+
+    adaptive: bool = True
+    min_nodes: int = 4
+
+    def budget(self, limit: int, ema_accepted: float) -> int:
+        """The budget for a request allowing ``limit`` nodes whose drafts recently confirmed ``ema_accepted``."""
+        if not self.adaptive:
+            return limit
+        wanted = round(self.min_nodes * (1.0 + 2.0 * ema_accepted))
+        return max(min(self.min_nodes, limit), min(limit, wanted))
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """What the tokens a step appended confirmed of the last draft served.
+
+    Attributes:
+        tokens: draft tokens confirmed (the accepted path's length inside the last tree).
+        sources: the source name of each confirmed node ("" for a node without one).
+    """
+
+    tokens: int = 0
+    sources: tuple[str, ...] = ()
+
+
+NOTHING_CONFIRMED = Confirmation()
 
 
 def path_sources(tree: DraftTree, tokens: Sequence[int], n: int) -> tuple[str, ...]:
@@ -41,8 +76,10 @@ class DraftSession:
     draft fared; ``propose`` drafts the next tree.
     """
 
-    def __init__(self, drafter: "Drafter", session_id: str, prompt: np.ndarray, max_nodes: int) -> None:
-        self.drafter = drafter
+    def __init__(self, session_id: str, prompt: np.ndarray, max_nodes: int, model: AcceptanceModel,
+                 policy: BudgetPolicy) -> None:
+        self.model = model  # the namespace's acceptance model, which scoring a draft teaches
+        self.policy = policy
         self.session_id = session_id
         self.prompt_len = int(prompt.size)
         self._tokens = np.full(max(64, 2 * prompt.size), -1, dtype=np.int32)  # (capacity,) prompt + output
@@ -52,7 +89,7 @@ class DraftSession:
         self._last_tree: DraftTree = EMPTY_TREE  # the model-free part of the last draft
         self._last_evidence: Evidence | None = None
         self._last_served: DraftTree | None = None  # the last draft as served, when it differs
-        self.card: "CardSession | None" = None  # the draft model's cache, when the namespace has one
+        self.card: ModelSession | None = None  # the draft model's cache, when the namespace has one
         self.repeat: np.ndarray | None = None  # (m,) int32 stored output of the same prompt, while followed
         self.repeat_pos = 0  # output tokens so far, all equal to the start of ``repeat``
         self.repeat_offered = 0  # depth of the repeat branch in the last draft served
@@ -60,7 +97,7 @@ class DraftSession:
         self.steps = 0
         self.drafted = 0
         self.accepted = 0
-        self.last_confirmed_sources: tuple[str, ...] = ()  # source of each node the last extend confirmed
+        self.closed = False  # set once the session has ended: nothing may extend it any more
 
     def __len__(self) -> int:
         return self._len
@@ -87,7 +124,7 @@ class DraftSession:
         self._tokens[self._len:need] = tokens
         self._len = need
 
-    def extend(self, accepted: np.ndarray) -> int:
+    def extend(self, accepted: np.ndarray) -> Confirmation:
         """Correction step: learn which nodes of the last draft were accepted, then append ``accepted``.
 
         Args:
@@ -95,46 +132,36 @@ class DraftSession:
                 tokens and the target's own token).
 
         Returns:
-            Draft tokens of the last tree that ``accepted`` confirmed.
+            What of the last tree ``accepted`` confirmed.
         """
-        hit = self._score_last_draft(accepted)
+        confirmed = self._score_last_draft(accepted)
         self.append(accepted)
-        return hit
+        return confirmed
 
-    def _score_last_draft(self, accepted: np.ndarray) -> int:
+    def _score_last_draft(self, accepted: np.ndarray) -> Confirmation:
         tree, evidence, served = self._last_tree, self._last_evidence, self._last_served
         self._last_tree, self._last_evidence, self._last_served = EMPTY_TREE, None, None
-        self.last_confirmed_sources = ()
         n_acc = 0
         toks = accepted.tolist()
         if len(tree) and evidence is not None:
-            n_acc = score_draft(tree, evidence, toks, self.drafter.model)
+            n_acc = score_draft(tree, evidence, toks, self.model)
         if served is not None and len(served):
             tree = served
             n_acc = accept_greedy(served, toks)[0]
         if not len(tree):
-            return 0
-        if n_acc:
-            self.last_confirmed_sources = path_sources(tree, toks, n_acc)
+            return NOTHING_CONFIRMED
         self.steps += 1
         self.drafted += len(tree)
         self.accepted += n_acc
         self._ema_accepted += 0.25 * (n_acc - self._ema_accepted)
-        return n_acc
+        return Confirmation(n_acc, path_sources(tree, toks, n_acc)) if n_acc else NOTHING_CONFIRMED
 
     def budget(self, max_nodes: int = 0) -> int:
         """Node budget for the next draft: the request's, shrunk while recent drafts were rarely accepted."""
-        cfg = self.drafter.config
-        limit = max_nodes or self.max_nodes
-        if not cfg.adaptive_budget:
-            return limit
-        wanted = round(cfg.min_nodes * (1.0 + 2.0 * self._ema_accepted))
-        return max(min(cfg.min_nodes, limit), min(limit, wanted))
+        return self.policy.budget(max_nodes or self.max_nodes, self._ema_accepted)
 
     def lookup(self, max_match: int, max_occurrences: int, depth: int) -> Continuations:
         """Prompt lookup: what followed earlier occurrences of the sequence's end inside this request."""
-        import store.match_kernels as kernels  # cached in sys.modules: a dictionary lookup
-
         native = kernels.native
         if native is not None:
             found = native.session_lookup(self._tokens, self._len, max_match, max_occurrences, depth)
@@ -146,13 +173,13 @@ class DraftSession:
         if n < 2:
             return EMPTY
         ctx_rev = self._tokens[max(0, n - max_match):n][::-1].astype(np.int64)
-        m, counts, ends = scan_matches(self._tokens, 0, n - 1, ctx_rev, ctx_rev.size, 0)
+        m, counts, ends = kernels.scan_matches(self._tokens, 0, n - 1, ctx_rev, ctx_rev.size, 0)
         if m == 0:
             return EMPTY
         if ends.size > max_occurrences:
             ends = ends[-max_occurrences:]
         ends = ends[::-1]
-        return Continuations(m, counts, continuations(self._tokens, ends + 1, depth, n))
+        return Continuations(m, counts, kernels.continuations(self._tokens, ends + 1, depth, n))
 
     def remember(self, tree: DraftTree, evidence: Evidence, served: DraftTree | None = None) -> None:
         """Keep the draft just served so the next ``extend`` can score it.

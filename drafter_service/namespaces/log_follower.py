@@ -7,13 +7,13 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from drafter_service.namespaces.namespace import Namespace
-    from store.request_log import RequestRecord
+from drafter_service.namespaces.durable_log import DurableLog
+from store.persistence import RedisPersistence
+from store.request_log import RequestRecord
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def log_end(stream_id: str) -> int:
 class LogFollower:
     """Keeps one namespace's store in step with the request log that every replica on the Redis appends to.
 
-    The namespace's ``log_position`` is the stream id of the newest entry its store holds, with every entry
+    The log's ``position`` is the stream id of the newest entry its store holds, with every entry
     before it held too. Entries are applied in log order by two paths that share the namespace's write lock:
 
     - this thread, which waits on the log (XREAD BLOCK) and applies every entry after the position;
@@ -62,11 +62,11 @@ class LogFollower:
         connected: False while Redis cannot be reached.
     """
 
-    def __init__(self, namespace: "Namespace", replica_id: str = "", block_ms: int = BLOCK_MS,
-                 batch: int = BATCH) -> None:
-        if namespace.persistence is None:
-            raise ValueError(f"namespace {namespace.name!r} has no persistence: there is no shared log to follow")
-        self.ns = namespace
+    def __init__(self, log: DurableLog, replica_id: str = "", block_ms: int = BLOCK_MS, batch: int = BATCH) -> None:
+        if log.persistence is None:
+            raise ValueError(f"namespace {log.name!r} has no persistence: there is no shared log to follow")
+        self.log = log
+        self.persistence: RedisPersistence = log.persistence
         self.replica_id = replica_id or default_replica_id()
         self.block_ms = int(block_ms)
         self.batch = int(batch)
@@ -84,15 +84,15 @@ class LogFollower:
     def attach(self) -> "LogFollower":
         """Take the namespace's own appends (they now keep log order) without starting the thread (``poll``
         then steps by hand)."""
-        self.ns.follower = self
+        self.log.follower = self
         return self
 
     def start(self) -> "LogFollower":
         """Attach to the namespace and start following."""
         self.attach()
-        self._thread = threading.Thread(target=self._run, name=f"follow-{self.ns.name}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"follow-{self.log.name}", daemon=True)
         self._thread.start()
-        logger.info("replica %s follows namespace %s from %s", self.replica_id, self.ns.name, self.ns.log_position)
+        logger.info("replica %s follows namespace %s from %s", self.replica_id, self.log.name, self.log.position)
         return self
 
     def stop(self, wait: bool = True) -> None:
@@ -102,14 +102,14 @@ class LogFollower:
         without, it ends on its own once that read returns.
         """
         self._stop.set()
-        with self.ns._write_lock:  # an apply in progress finishes first; later ones see the flag
+        with self.log.write_lock:  # an apply in progress finishes first; later ones see the flag
             pass
         if wait and self._thread is not None:
             self._thread.join(self.block_ms / 1000 + 2.0)
 
     def stats(self) -> dict[str, object]:
         """Figures for metrics: replica, position, entries applied, slots lost to trimming, connection."""
-        return {"replica": self.replica_id, "log_position": self.ns.log_position, "applied": self.applied,
+        return {"replica": self.replica_id, "log_position": self.log.position, "applied": self.applied,
                 "skipped_slots": self.skipped_slots, "frozen_syncs": self.frozen_syncs,
                 "connected": self.connected}
 
@@ -124,12 +124,12 @@ class LogFollower:
         own = [(sid, doc) for sid, (doc, _) in zip(ids, docs) if sid is not None]
         if not own:
             return
-        ns = self.ns
+        ns = self.log
         before = log_end(own[0][0]) - int(own[0][1].size) - 1  # the log's end just before this append
-        position = log_end(ns.log_position)
+        position = log_end(ns.position)
         if before > position:
             try:
-                self._apply(ns.persistence.read_requests_range(ns.log_position, f"{before}-0"))
+                self._apply(self.persistence.read_requests_range(ns.position, f"{before}-0"))
             except Exception as exc:  # stored out of order instead; the thread skips them later
                 logger.warning("namespace %s: could not read the %d log slots before an own append (%s); "
                                "storing it first", ns.name, before - position, exc)
@@ -137,22 +137,22 @@ class LogFollower:
                 return
         elif before < position:
             logger.error("namespace %s: the request log went back from %s to %d (did Redis lose data?); "
-                         "following from the new end", ns.name, ns.log_position, before)
-        ns.log_position = own[-1][0]
+                         "following from the new end", ns.name, ns.position, before)
+        ns.position = own[-1][0]
 
     def _remember(self, ids: "Sequence[str] | object") -> None:
         if len(self._own) > MAX_OWN:
             logger.error("namespace %s: %d own entries wait out of order; forgetting them (they may be stored "
-                         "twice)", self.ns.name, len(self._own))
+                         "twice)", self.log.name, len(self._own))
             self._own.clear()
         self._own.update(ids)  # type: ignore[arg-type]
 
     # -- applying -------------------------------------------------------------------------------------
 
-    def _apply(self, records: "Sequence[RequestRecord]") -> int:
+    def _apply(self, records: Sequence[RequestRecord]) -> int:
         """Store the entries after the position, in log order (caller holds the write lock); returns how many."""
-        ns = self.ns
-        position = log_end(ns.log_position)
+        ns = self.log
+        position = log_end(ns.position)
         stored = 0
         for rec in records:
             end = log_end(rec.stream_id)
@@ -167,10 +167,10 @@ class LogFollower:
                     logger.warning("namespace %s: %d ring slots of the request log were trimmed before replica %s "
                                    "read them; following from %s", ns.name, start - position, self.replica_id,
                                    rec.stream_id)
-                ns.drafter.add_document(rec.tokens, prompt_len=rec.prompt_len)
+                ns.store(rec.tokens, rec.prompt_len)
                 stored += 1
             position = end
-            ns.log_position = rec.stream_id
+            ns.position = rec.stream_id
         self.applied += stored
         return stored
 
@@ -180,11 +180,11 @@ class LogFollower:
         Raises:
             PersistenceUnavailable: Redis cannot be reached.
         """
-        ns = self.ns
-        records, events = ns.persistence.read_changes(ns.log_position, ns.event_position, block_ms, self.batch)
+        ns = self.log
+        records, events = self.persistence.read_changes(ns.position, ns.event_position, block_ms, self.batch)
         stored = 0
         if records:
-            with ns._write_lock:
+            with ns.write_lock:
                 if self._stop.is_set():
                     return 0
                 stored = self._apply(records)
@@ -197,10 +197,10 @@ class LogFollower:
 
     def sync_frozen(self) -> None:
         """Load, replace or drop frozen tables so the namespace drafts from what Redis holds."""
-        changed = self.ns.frozen_tables.sync()
+        changed = self.log.sync_frozen()
         self.frozen_syncs += 1
         if changed:
-            logger.info("namespace %s: frozen tables changed by another replica: %s", self.ns.name, changed)
+            logger.info("namespace %s: frozen tables changed by another replica: %s", self.log.name, changed)
 
     def _check_reset(self) -> None:
         """When idle, now and then: notice a log whose end went back (Redis lost data) and follow its new end."""
@@ -208,13 +208,13 @@ class LogFollower:
         if now - self._last_reset_check < RESET_CHECK_S:
             return
         self._last_reset_check = now
-        ns = self.ns
-        last = ns.persistence.last_id()
-        with ns._write_lock:
-            if log_end(last) < log_end(ns.log_position):
+        ns = self.log
+        last = self.persistence.last_id()
+        with ns.write_lock:
+            if log_end(last) < log_end(ns.position):
                 logger.error("namespace %s: the request log ends at %s, before this replica's %s (did Redis lose "
-                             "data?); following from there", ns.name, last, ns.log_position)
-                ns.log_position = last
+                             "data?); following from there", ns.name, last, ns.position)
+                ns.position = last
 
     def _run(self) -> None:
         backoff = BACKOFF_S[0]
@@ -225,18 +225,18 @@ class LogFollower:
                 if self._stop.is_set():
                     return
                 if self.connected:
-                    logger.warning("namespace %s: following the request log failed (%s); retrying", self.ns.name,
+                    logger.warning("namespace %s: following the request log failed (%s); retrying", self.log.name,
                                    exc)
                 self.connected = False
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, BACKOFF_S[1])
                 continue
             if not self.connected:
-                logger.info("namespace %s: following the request log again from %s", self.ns.name,
-                            self.ns.log_position)
+                logger.info("namespace %s: following the request log again from %s", self.log.name,
+                            self.log.position)
                 self.connected = True
                 backoff = BACKOFF_S[0]
                 try:  # events may have been missed while away (or Redis lost them)
                     self.sync_frozen()
                 except Exception:
-                    logger.exception("namespace %s: frozen table sync failed", self.ns.name)
+                    logger.exception("namespace %s: frozen table sync failed", self.log.name)

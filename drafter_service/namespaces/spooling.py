@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from drafter_service.api.errors import Unavailable
+from drafter_service.namespaces.durable_log import DurableLog
+from store.persistence import RedisPersistence
 from store.request_log import duplicate_keys
 from store.spool import HEADER_BYTES, Spool, SpoolBusy, SpoolCorrupt, SpoolError, SpoolFull, SpoolRecord, new_id
-
-if TYPE_CHECKING:
-    from drafter_service.namespaces.namespace import Namespace
-    from drafter_service.service.config import ServiceConfig
-    from drafter_service.service.service import DrafterService
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +47,16 @@ class SpoolingLog:
         redis_ok: False since an append or drain failed, until one succeeds again.
     """
 
-    def __init__(self, namespace: "Namespace", folder: Path | str, max_bytes: int) -> None:
+    def __init__(self, log: DurableLog, folder: Path | str, max_bytes: int) -> None:
         """Attach to a namespace with persistence (its Redis must answer: the store id is read now)."""
-        if namespace.persistence is None:
-            raise ValueError(f"namespace {namespace.name!r} has no persistence to spool for")
-        self.ns = namespace
-        self.folder = Path(folder) / namespace.name
+        if log.persistence is None:
+            raise ValueError(f"namespace {log.name!r} has no persistence to spool for")
+        self.log = log
+        self.persistence: RedisPersistence = log.persistence
+        self.folder = Path(folder) / log.name
         self.max_bytes = int(max_bytes)
         self.writer_id = new_id()
-        self.store_id = namespace.persistence.store_id()
+        self.store_id = self.persistence.store_id()
         self.redis_ok = True
         self._seq = 0  # the last sequence number given
         self._spool: Spool | None = None  # made at the first request held
@@ -100,7 +98,7 @@ class SpoolingLog:
         self._seq += len(docs)
         if not self.holding:
             try:
-                ids = self.ns.persistence.append_requests(docs, prompt_lens, skip_duplicates,
+                ids = self.persistence.append_requests(docs, prompt_lens, skip_duplicates,
                                                           writer=(self.writer_id, first))
                 self.redis_ok = True
                 return ids, False
@@ -109,7 +107,7 @@ class SpoolingLog:
             except Exception as exc:
                 if self.redis_ok:
                     logger.warning("namespace %s: Redis cannot take requests (%s); holding them in the spool "
-                                   "under %s until it can", self.ns.name, exc, self.folder)
+                                   "under %s until it can", self.log.name, exc, self.folder)
                 self.redis_ok = False
                 cause: Exception = exc
         else:
@@ -140,14 +138,14 @@ class SpoolingLog:
             if self._spool is None:
                 path = self.folder / f"{time.time_ns():020d}-{self.writer_id}{SUFFIX}"
                 self._spool = Spool.create(path, self.writer_id, self.store_id, self.max_bytes)
-                logger.info("namespace %s: spool %s made", self.ns.name, path)
+                logger.info("namespace %s: spool %s made", self.log.name, path)
             self._spool.append(records)
         except SpoolFull as exc:
-            logger.error("namespace %s: %s; refusing", self.ns.name, exc)
+            logger.error("namespace %s: %s; refusing", self.log.name, exc)
             raise Unavailable(f"Redis cannot take the request ({cause}) and the local spool is full: {exc}") \
                 from exc
         except (OSError, SpoolError) as exc:
-            logger.error("namespace %s: cannot write the spool (%s); refusing", self.ns.name, exc)
+            logger.error("namespace %s: cannot write the spool (%s); refusing", self.log.name, exc)
             raise Unavailable(f"Redis cannot take the request ({cause}) and the local spool failed: {exc}") \
                 from exc
         self._held_keys |= keys
@@ -170,13 +168,13 @@ class SpoolingLog:
         """
         if not self.holding:
             return 0
-        if not self.ns.persistence.ping():
+        if not self.persistence.ping():
             self.redis_ok = False
             return 0
         moved = 0
         t0 = time.perf_counter()
         while True:
-            with self.ns._write_lock:
+            with self.log.write_lock:
                 spool = self._spool
                 records, end = spool.read(self._drained, BATCH)
                 if not records:
@@ -185,7 +183,7 @@ class SpoolingLog:
                     self._held_keys.clear()
                     self.redis_ok = True
                     logger.info("namespace %s: %d spooled requests moved to Redis in %.2f s; appending directly "
-                                "again", self.ns.name, moved, time.perf_counter() - t0)
+                                "again", self.log.name, moved, time.perf_counter() - t0)
                     return moved
                 try:
                     self._send(self.writer_id, records, own=True)
@@ -198,7 +196,7 @@ class SpoolingLog:
 
     def _send(self, writer_id: str, records: Sequence[SpoolRecord], own: bool) -> None:
         """Append runs of records with consecutive sequence numbers and one duplicate policy each."""
-        p = self.ns.persistence
+        p = self.persistence
         i = 0
         while i < len(records):
             j = i + 1
@@ -210,7 +208,7 @@ class SpoolingLog:
             ids = p.append_requests(docs, [r.prompt_len for r in run], run[0].skip_duplicates,
                                     writer=(writer_id, run[0].seq))
             if own:  # already in the store: the log position passes them
-                self.ns.logged(ids, docs)
+                self.log.logged(ids, docs)
             i = j
 
     # -- start and stop ------------------------------------------------------------------------------------
@@ -232,10 +230,10 @@ class SpoolingLog:
             try:
                 spool = Spool.open(path)
             except SpoolBusy:
-                logger.info("namespace %s: spool %s belongs to a live process; left alone", self.ns.name, path)
+                logger.info("namespace %s: spool %s belongs to a live process; left alone", self.log.name, path)
                 continue
             except (SpoolCorrupt, OSError) as exc:
-                logger.error("namespace %s: spool %s cannot be read (%s); kept as %s", self.ns.name, path, exc,
+                logger.error("namespace %s: spool %s cannot be read (%s); kept as %s", self.log.name, path, exc,
                              path.with_suffix(".corrupt"))
                 path.rename(path.with_suffix(".corrupt"))
                 continue
@@ -248,7 +246,7 @@ class SpoolingLog:
     def _adopt(self, spool: Spool) -> int:
         if spool.store_id != self.store_id:
             logger.warning("namespace %s: spool %s holds %d requests for another Redis data set (store %s, "
-                           "this one is %s); left alone", self.ns.name, spool.path, spool.count, spool.store_id,
+                           "this one is %s); left alone", self.log.name, spool.path, spool.count, spool.store_id,
                            self.store_id)
             return 0
         offset, moved, corrupt = HEADER_BYTES, 0, bool(spool.unreadable)
@@ -256,7 +254,7 @@ class SpoolingLog:
             try:
                 records, offset = spool.read(offset, BATCH)
             except SpoolCorrupt as exc:
-                logger.error("namespace %s: %s", self.ns.name, exc)
+                logger.error("namespace %s: %s", self.log.name, exc)
                 corrupt = True
                 break
             if not records:
@@ -266,12 +264,12 @@ class SpoolingLog:
         if corrupt:
             keep = spool.path.with_suffix(".corrupt")
             logger.error("namespace %s: spool %s: %d readable requests moved to Redis; its unreadable bytes are "
-                         "kept in %s", self.ns.name, spool.path, moved, keep)
+                         "kept in %s", self.log.name, spool.path, moved, keep)
             spool.path.rename(keep)
         else:
-            self.ns.persistence.forget_writer(spool.writer_id)
+            self.persistence.forget_writer(spool.writer_id)
             spool.close(remove=True)
-        logger.info("namespace %s: %d requests of a stopped process's spool %s moved to Redis", self.ns.name,
+        logger.info("namespace %s: %d requests of a stopped process's spool %s moved to Redis", self.log.name,
                     moved, spool.path.name)
         return moved
 
@@ -280,16 +278,16 @@ class SpoolingLog:
         try:
             self.drain()
         except Exception as exc:
-            logger.warning("namespace %s: final drain failed: %s", self.ns.name, exc)
+            logger.warning("namespace %s: final drain failed: %s", self.log.name, exc)
         if self.holding:
             logger.warning("namespace %s: %d acknowledged requests stay in %s; the next start moves them to Redis",
-                           self.ns.name, self.held, self._spool.path)
+                           self.log.name, self.held, self._spool.path)
             self._spool.close()
             return
         if self._spool is not None:
             self._spool.close(remove=True)
         try:
-            self.ns.persistence.forget_writer(self.writer_id)
+            self.persistence.forget_writer(self.writer_id)
         except Exception:  # the mark expires on its own
             pass
 
@@ -301,26 +299,3 @@ class SpoolingLog:
         self._spool.check_invariants()
         assert HEADER_BYTES <= self._drained <= self._spool.size
         assert 0 <= self._drained_count <= self._spool.count
-
-
-def spool_folder(config: "ServiceConfig") -> Path:
-    """Where spool files go: ``spool_dir``, or ``<data_dir>/spool``."""
-    return Path(config.spool_dir) if config.spool_dir else Path(config.data_dir) / "spool"
-
-
-def attach_spools(service: "DrafterService", config: "ServiceConfig") -> int:
-    """Give every namespace with persistence a spool (``spool_max_bytes`` > 0) and adopt dead processes' files.
-
-    Returns:
-        Requests moved to Redis from the spools of stopped processes.
-    """
-    if config.spool_max_bytes <= 0:
-        return 0
-    folder = spool_folder(config)
-    moved = 0
-    for ns in service.namespaces.values():
-        if ns.persistence is None:
-            continue
-        ns.spool = SpoolingLog(ns, folder, config.spool_max_bytes)
-        moved += ns.spool.adopt_orphans()
-    return moved

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import fields
 from typing import Iterator
 
 import grpc
@@ -12,6 +13,7 @@ from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from drafter_service.api.frozen_wire import table_from_chunks
 from drafter_service.api.tree import DraftTree
+from drafter_service.namespaces.stats import NamespaceStats
 from drafter_service.service.auth import Caller
 from drafter_service.service.service import DrafterService
 
@@ -24,6 +26,11 @@ def tree_message(tree: DraftTree, confirmed: int) -> pb.DraftResponse:
     return pb.DraftResponse(token_ids=tree.token_ids, parents=tree.parents, probs=tree.probs, score=tree.score,
                             sources=[_SOURCES.get(s, pb.SOURCE_UNSPECIFIED) for s in tree.sources],
                             confirmed=confirmed)
+
+
+def stats_message(stats: NamespaceStats) -> pb.GetStatsResponse:
+    """A GetStatsResponse for a namespace's figures (the two share their field names)."""
+    return pb.GetStatsResponse(**{f.name: getattr(stats, f.name) for f in fields(stats)})
 
 
 def frozen_info_message(header: dict) -> pb.FrozenTableInfo:
@@ -50,7 +57,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return pb.StartSessionResponse(session_id=request.session_id, namespace=ns.name)
 
     def Draft(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftResponse:
-        tree, confirmed = self.service.draft(request.session_id, list(request.accepted), request.max_nodes,
+        tree, confirmed = self.service.draft(request.session_id, request.accepted, request.max_nodes,
                                              request.report_only, request.step_seconds, request.plain_step_seconds,
                                              caller=self._caller(context))
         return tree_message(tree, confirmed)
@@ -59,14 +66,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                     ) -> Iterator[pb.DraftResponse]:
         draft, caller = self.service.draft, self._caller(context)
         for request in requests:
-            tree, confirmed = draft(request.session_id, list(request.accepted), request.max_nodes,
+            tree, confirmed = draft(request.session_id, request.accepted, request.max_nodes,
                                     request.report_only, request.step_seconds, request.plain_step_seconds,
                                     caller=caller)
             yield tree_message(tree, confirmed)
 
     def EndSession(self, request: pb.EndSessionRequest, context: grpc.ServicerContext) -> pb.EndSessionResponse:
         return pb.EndSessionResponse(stored_tokens=self.service.end_session(request.session_id,
-                                                                            list(request.accepted),
+                                                                            request.accepted,
                                                                             caller=self._caller(context)))
 
     def Ingest(self, request: pb.IngestRequest, context: grpc.ServicerContext) -> pb.IngestResponse:
@@ -77,7 +84,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return pb.IngestResponse(ingested=n, tokens=tokens, skipped=skipped)
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
-        return pb.GetStatsResponse(**self.service.stats(request.namespace, caller=self._caller(context)))
+        return stats_message(self.service.stats(request.namespace, caller=self._caller(context)))
 
     def PutFrozenTable(self, chunks: Iterator[pb.FrozenTableChunk], context: grpc.ServicerContext
                        ) -> pb.FrozenTableInfo:

@@ -12,10 +12,10 @@ from grpc_health.v1 import health
 
 from drafter_service.ingest.warm_watch import FolderWatch, service_watch
 from drafter_service.namespaces.log_follower import LogFollower, default_replica_id
-from drafter_service.namespaces.spooling import attach_spools
 from drafter_service.rpc.persistence_health import PersistenceHealth
 from drafter_service.rpc.server import create_server
 from drafter_service.runtime.jobs import start_jobs
+from drafter_service.runtime.spools import attach_spools
 from drafter_service.service.auth import HttpAuth
 from drafter_service.service.config import ServiceConfig
 from drafter_service.service.service import DrafterService
@@ -69,7 +69,7 @@ class Runtime:
         restored = self.service.restore()
         logger.info("restored %s in %.2f s", restored, time.perf_counter() - t0)
         if cfg.following:  # other replicas' requests and frozen tables, from where the restore ended
-            self.followers = [LogFollower(ns, self.replica_id).start() for ns in self.service.namespaces.values()]
+            self.followers = [LogFollower(ns.log, self.replica_id).start() for ns in self.service.namespaces.values()]
         servicer = health.HealthServicer()
         self.persistence_health = PersistenceHealth(self.service, servicer)
         self.server, self.port = create_server(cfg, cfg.address, self.service, servicer)

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from drafter_service.api.errors import InvalidArgument, NotFound
 from drafter_service.api.names import DEFAULT_NAMESPACE, check_name
 from drafter_service.api.tree import DraftTree
+from drafter_service.core.session import DraftSession
+from drafter_service.model.card import load_drafts
 from drafter_service.namespaces.namespace import Namespace
+from drafter_service.namespaces.stats import NamespaceStats
 from drafter_service.service.auth import TRUSTED, Authorizer, Caller
 from drafter_service.service.config import ServiceConfig
 from drafter_service.service.session_routes import SessionRoutes
@@ -31,8 +37,6 @@ class DrafterService:
         self.namespaces: dict[str, Namespace] = {}
         drafts = {}
         for model_spec in config.draft_models:  # loaded first: a bad model refuses to start with nothing opened
-            from drafter_service.model.card import load_drafts
-
             ns_spec = config.namespace(model_spec.namespace)
             drafts[model_spec.namespace] = load_drafts(model_spec, ns_spec.vocab_size)
         for spec in config.namespaces:
@@ -100,13 +104,18 @@ class DrafterService:
             raise InvalidArgument(f"{what} holds {len(tokens)} tokens, more than the limit "
                                   f"{self.config.max_request_tokens}")
 
-    def _check_growth(self, ns: Namespace, session_id: str, accepted: Sequence[int]) -> None:
-        """Refuse ``accepted`` when it would take the session's output beyond ``max_request_tokens``."""
-        sess = ns.drafter.sessions.get(session_id)
-        if sess is not None and len(sess) - sess.prompt_len + len(accepted) > self.config.max_request_tokens:
-            shown = session_id.split("\x00")[0]  # the caller's id, without its scope
-            raise InvalidArgument(f"session {shown!r} would hold {len(sess) - sess.prompt_len + len(accepted)} "
-                                  f"output tokens, more than the limit {self.config.max_request_tokens}")
+    def _accepted(self, ns: Namespace, sess: DraftSession, session_id: str, accepted: Sequence[int]) -> np.ndarray:
+        """``accepted`` (already within ``_check_tokens``) checked against the session's growth and the namespace's
+        vocabulary, and converted to int32 once.
+
+        Raises:
+            InvalidArgument: an output beyond ``max_request_tokens``, or bad token ids.
+        """
+        grown = len(sess) - sess.prompt_len + len(accepted)
+        if grown > self.config.max_request_tokens:
+            raise InvalidArgument(f"session {session_id!r} would hold {grown} output tokens, more than the limit "
+                                  f"{self.config.max_request_tokens}")
+        return ns.drafter.tokens(accepted, "accepted")
 
     def _check_budget(self, max_nodes: int) -> None:
         if max_nodes < 0 or max_nodes > self.config.max_nodes_limit:
@@ -130,6 +139,8 @@ class DrafterService:
               caller: Caller | None = None) -> tuple[DraftTree, int]:
         """Correct the session with ``accepted`` and draft the next tree (none when ``report_only``).
 
+        Everything is validated here, once; the layers below trust their arguments.
+
         ``step_seconds`` and ``plain_step_seconds`` are the engine's reported step times (0: not reported), each
         in [0, 3600]; they only feed the statistics.
         """
@@ -138,16 +149,15 @@ class DrafterService:
         for name, value in (("step_seconds", step_seconds), ("plain_step_seconds", plain_step_seconds)):
             if not 0.0 <= value <= 3600.0:  # also refuses NaN
                 raise InvalidArgument(f"{name} must be in [0, 3600], got {value}")
-        ns, key = self.sessions.get(caller or TRUSTED, session_id)  # another scope's session is NOT_FOUND
-        self._check_growth(ns, key, accepted)
-        return ns.draft(key, accepted, max_nodes, report_only, step_seconds, plain_step_seconds)
+        ns, sess = self.sessions.get(caller or TRUSTED, session_id)  # another scope's session is NOT_FOUND
+        ids = self._accepted(ns, sess, session_id, accepted)
+        return ns.draft(sess, ids, max_nodes, report_only, step_seconds, plain_step_seconds)
 
     def end_session(self, session_id: str, accepted: Sequence[int], caller: Caller | None = None) -> int:
         """Store the request durably and close its session; returns the tokens stored."""
         self._check_tokens(accepted, "accepted")
-        ns, key = self.sessions.get(caller or TRUSTED, session_id)
-        self._check_growth(ns, key, accepted)
-        stored = ns.end_session(key, accepted, request_id=session_id)
+        ns, sess = self.sessions.get(caller or TRUSTED, session_id)
+        stored = ns.end_session(sess, self._accepted(ns, sess, session_id, accepted), request_id=session_id)
         self.sessions.close(caller or TRUSTED, session_id)
         return stored
 
@@ -169,7 +179,7 @@ class DrafterService:
             self._check_tokens(output, f"request {i} output")
         return ns.ingest(requests, skip_duplicates)
 
-    def stats(self, namespace: str, caller: Caller | None = None) -> dict[str, object]:
+    def stats(self, namespace: str, caller: Caller | None = None) -> NamespaceStats:
         """GetStats figures of one namespace."""
         return self.namespace(namespace, caller).stats()
 

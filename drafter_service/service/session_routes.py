@@ -5,13 +5,12 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
 
 from drafter_service.api.errors import AlreadyExists, NotFound, ResourceExhausted
-
-if TYPE_CHECKING:
-    from drafter_service.namespaces.namespace import Namespace
-    from drafter_service.service.auth import Caller
+from drafter_service.core.session import DraftSession
+from drafter_service.namespaces.namespace import Namespace
+from drafter_service.service.auth import Caller
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ class SessionRoutes:
     def __init__(self, max_sessions: int, max_per_client: int = 0) -> None:
         self.max_sessions = max_sessions
         self.max_per_client = max_per_client
-        self._routes: dict[tuple[str, str], tuple["Namespace", str, str]] = {}  # -> (namespace, internal id, client)
+        self._routes: dict[tuple[str, str], tuple[Namespace, DraftSession, str]] = {}  # -> (namespace, session, client)
         self._clients: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
 
@@ -49,8 +48,9 @@ class SessionRoutes:
         """Live sessions opened by ``client``."""
         return self._clients.get(client, 0)
 
-    def open(self, caller: "Caller", session_id: str, ns: "Namespace", start: Callable[[str], object]) -> str:
-        """Record a new session and call ``start(internal id)`` under the lock; returns the internal id.
+    def open(self, caller: Caller, session_id: str, ns: Namespace,
+             start: Callable[[str], DraftSession]) -> DraftSession:
+        """Open a session with ``start(internal id)`` under the lock, and record it; returns the session.
 
         Raises:
             ResourceExhausted: the service's or the client's session limit is reached.
@@ -65,14 +65,13 @@ class SessionRoutes:
                                         "may hold; end some first")
             if key in self._routes:
                 raise AlreadyExists(f"session {session_id!r} already exists")
-            sid = internal_id(caller.scope, session_id)
-            start(sid)
-            self._routes[key] = (ns, sid, caller.client)
+            sess = start(internal_id(caller.scope, session_id))
+            self._routes[key] = (ns, sess, caller.client)
             self._clients[caller.client] += 1
-        return sid
+        return sess
 
-    def get(self, caller: "Caller", session_id: str) -> tuple["Namespace", str]:
-        """(namespace, internal id) of one of the caller's live sessions.
+    def get(self, caller: Caller, session_id: str) -> tuple[Namespace, DraftSession]:
+        """(namespace, session) of one of the caller's live sessions: the only lookup a call makes.
 
         Raises:
             NotFound: no live session of that id in the caller's scope.
@@ -82,7 +81,7 @@ class SessionRoutes:
             raise NotFound(f"unknown session {session_id!r}")
         return found[0], found[1]
 
-    def close(self, caller: "Caller", session_id: str) -> None:
+    def close(self, caller: Caller, session_id: str) -> None:
         """Forget a session (no error when it is already gone)."""
         key = (caller.scope, session_id)
         with self._lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry
@@ -79,7 +80,7 @@ class DrafterCollector(Collector):
                 with ns.counters.lock:
                     counters = ns.counters.snapshot()
                 spooled = ns.spool.stats() if ns.spool is not None else {}
-                figures.append((name, {**counters, **ns.stats(), **spooled}))
+                figures.append((name, {**counters, **asdict(ns.stats()), **spooled}))
             except Exception:
                 logger.exception("namespace %s: statistics failed; left out of /metrics", name)
         yield from _families(figures)
@@ -123,8 +124,8 @@ def _families(figures: list[tuple[str, dict]]) -> Iterator[Metric]:
 
 def _follower_families(service: "DrafterService") -> Iterator[Metric]:
     """Log following of a replica that shares its Redis with others (nothing when it does not follow)."""
-    followers = [(name, ns.follower.stats()) for name, ns in list(service.namespaces.items())
-                 if ns.follower is not None]
+    followers = [(name, ns.log.follower.stats()) for name, ns in list(service.namespaces.items())
+                 if ns.log.follower is not None]
     if not followers:
         return
     info = GaugeMetricFamily("drafter_replica_info", "This replica's id (value 1).", labels=["replica"])

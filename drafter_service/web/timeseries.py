@@ -6,11 +6,12 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from drafter_service.namespaces.namespace import estimated_speedup
+from drafter_service.namespaces.stats import estimated_speedup
 
 if TYPE_CHECKING:
     from drafter_service.namespaces.namespace import Namespace
@@ -29,7 +30,7 @@ SOURCE_KEYS = ("drafted_by_source", "confirmed_by_source")
 GAUGE_KEYS = (("stored_tokens", "stored_tokens"), ("stored_requests", "stored_requests"),
               ("memory_bytes", "memory_bytes"), ("index_age_seconds", "index_age_s"),
               ("active_sessions", "active_sessions"), ("persistence_healthy", "healthy"))
-"""(``Namespace.stats()`` key, point key) of the values taken as they are at the point's time."""
+"""(``NamespaceStats`` field, point key) of the values taken as they are at the point's time."""
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -55,7 +56,7 @@ def derive(point: dict) -> dict:
 
 
 def make_point(namespace: str, t_ms: int, interval_s: float, before: dict, after: dict,
-               latencies_ns: Sequence[int], stats: dict) -> dict:
+               latencies_ns: Sequence[int], gauges: Mapping[str, object]) -> dict:
     """One metric point: what changed between two counter snapshots, the derived rates, and the gauges now.
 
     Args:
@@ -64,7 +65,7 @@ def make_point(namespace: str, t_ms: int, interval_s: float, before: dict, after
         interval_s: seconds between the two snapshots.
         before, after: ``DraftCounters.snapshot()`` at the start and end of the interval.
         latencies_ns: latencies of the drafts served in the interval (for p50 and p99; None when empty).
-        stats: ``Namespace.stats()`` at the end of the interval (for the gauges).
+        gauges: the ``NamespaceStats`` fields of ``GAUGE_KEYS`` at the end of the interval.
 
     Returns:
         A JSON-serialisable dict (fields: t, namespace, interval_s, the ``DELTA_KEYS``, the ``SOURCE_KEYS``,
@@ -81,7 +82,7 @@ def make_point(namespace: str, t_ms: int, interval_s: float, before: dict, after
     point["latency_p50_us"] = float(np.percentile(lat, 50)) / 1e3 if lat.size else None
     point["latency_p99_us"] = float(np.percentile(lat, 99)) / 1e3 if lat.size else None
     for key, name in GAUGE_KEYS:
-        value = stats.get(key, 0)
+        value = gauges.get(key, 0)
         point[name] = bool(value) if name == "healthy" else value
     return derive(point)
 
@@ -157,9 +158,10 @@ class MetricsRollup:
         self._last[name] = (now, after)
         drafts = after["drafts"] - before["drafts"]
         point = make_point(name, int(time.time() * 1000), now - start, before, after,
-                           latencies[-drafts:] if drafts > 0 else [], stats)
-        if ns.follower is not None:  # several replicas append to the same history: each point says whose it is
-            point["replica"] = ns.follower.replica_id
+                           latencies[-drafts:] if drafts > 0 else [],
+                           {key: getattr(stats, key) for key, _ in GAUGE_KEYS})
+        if ns.log.follower is not None:  # several replicas append to the same history: each point says whose it is
+            point["replica"] = ns.log.follower.replica_id
         if ns.persistence is not None:
             try:
                 point["t"] = ns.persistence.append_metric_point(point)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from drafter_service.namespaces.namespace import DraftCounters, estimated_speedup
+from drafter_service.namespaces.stats import DraftCounters, estimated_speedup
 from drafter_service.web.timeseries import downsample, make_point, merge_points
 
 GAUGES = {"stored_tokens": 500, "stored_requests": 7, "memory_bytes": 4096, "index_age_seconds": 2.5,

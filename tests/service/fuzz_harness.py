@@ -141,8 +141,8 @@ class Fuzzed:
         out = {}
         for name, ns in self.runtime.service.namespaces.items():
             s = ns.stats()
-            out[name] = (s["stored_tokens"], s["stored_requests"], ns.persistence.request_count(),
-                         tuple(s["frozen_tables"]), s["active_sessions"], s["dynamic_leaders"])
+            out[name] = (s.stored_tokens, s.stored_requests, ns.persistence.request_count(),
+                         tuple(s.frozen_tables), s.active_sessions, s.dynamic_leaders)
         return out
 
     def check(self) -> None:

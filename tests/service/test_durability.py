@@ -15,8 +15,9 @@ from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from drafter_service.cli.serve import add_serve_commands, config_from_args
 from drafter_service.core.config import DrafterConfig
 from drafter_service.namespaces.namespace import Namespace
-from drafter_service.namespaces.spooling import SpoolingLog, spool_folder
+from drafter_service.namespaces.spooling import SpoolingLog
 from drafter_service.runtime.runtime import Runtime
+from drafter_service.runtime.spools import spool_folder
 from drafter_service.service.config import ServiceConfig
 from store.persistence import PersistenceUnavailable, RedisPersistence
 from store.spool import Spool, SpoolRecord, new_id
@@ -128,7 +129,7 @@ def test_redis_restarted_under_the_service_spools_then_drains_every_acknowledged
     assert not list((tmp_path / "spool" / "default").glob("*.spool"))  # an empty spool is removed at stop
     again = start(redis_server.url, tmp_path / "spool")
     try:
-        assert again.service.namespaces["default"].stats()["stored_requests"] == 12
+        assert again.service.namespaces["default"].stats().stored_requests == 12
     finally:
         again.stop(grace=0)
 
@@ -186,7 +187,7 @@ class LosingReplies(RedisPersistence):
 def test_lost_replies_of_appends_and_drains_store_nothing_twice(redis_server, tmp_path):
     p = LosingReplies(redis_server.url, "default", vocab_size=VOCAB)
     ns = Namespace.create("default", DrafterConfig(capacity=1 << 16), VOCAB, p)
-    ns.spool = SpoolingLog(ns, tmp_path, 1 << 20)
+    ns.spool = SpoolingLog(ns.log, tmp_path, 1 << 20)
     seq = lambda *rids: [(REQS[r][0], REQS[r][1], r) for r in rids]  # noqa: E731
     p.lose = 1
     assert ns.ingest(seq("r0", "r1")) == (2, 96, 0)  # the reply was lost: held in the spool as well
@@ -224,7 +225,7 @@ def test_spools_of_stopped_processes_are_adopted_and_others_left_alone(redis_ser
     try:
         log = logged(redis_server.url)
         assert {rid: len(v) for rid, v in log.items()} == {"r0": 1, "r1": 1}
-        assert runtime.service.namespaces["default"].stats()["stored_requests"] == 2
+        assert runtime.service.namespaces["default"].stats().stored_requests == 2
         assert sorted(f.name for f in folder.iterdir()) == ["2-alive.spool", "3-foreign.spool"]
         assert p.writer_mark(dead.writer_id) == 0
     finally:

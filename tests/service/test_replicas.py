@@ -106,14 +106,14 @@ def test_concurrent_writers_on_two_replicas_leave_identical_buffers_in_log_order
         total = sum(len(batch) for batch in batches)
         last = a.service.namespaces["default"].persistence.last_id()
         for rt in (a, b):
-            wait_for(lambda: rt.service.namespaces["default"].log_position == last, what="the follower")
+            wait_for(lambda: rt.service.namespaces["default"].log.position == last, what="the follower")
         assert ring_contents(a).tolist() == ring_contents(b).tolist()  # same requests, same (log) order
         logged = [rec.tokens.tolist() for rec in a.service.namespaces["default"].persistence.iter_request_records()]
         assert len(logged) == total
         assert ring_contents(a).tolist() == [t for doc in logged for t in (*doc, -1)]
         for rt in (a, b):
             ns = rt.service.namespaces["default"]
-            assert ns.stats()["stored_requests"] == total
+            assert ns.stats().stored_requests == total
             ns.drafter.check_invariants()
         # each replica applied exactly the other's requests
         assert a.followers[0].applied + b.followers[0].applied == total
@@ -128,7 +128,7 @@ def test_an_own_append_whose_predecessors_cannot_be_read_is_stored_once(redis_se
     try:
         a.followers[0].stop()
         ns = a.service.namespaces["default"]
-        follower = LogFollower(ns).attach()  # its steps are taken by hand below
+        follower = LogFollower(ns.log).attach()  # its steps are taken by hand below
         rng = np.random.default_rng(2)
         (p1, o1), (p2, o2) = request(rng), request(rng)
         b.service.ingest("default", [(p1, o1, "")])  # logged first, not yet in a
@@ -141,10 +141,10 @@ def test_an_own_append_whose_predecessors_cannot_be_read_is_stored_once(redis_se
         monkeypatch.setattr(ns.persistence, "read_requests_range", unreachable)
         a.service.ingest("default", [(p2, o2, "")])  # stored at once, ahead of b's
         monkeypatch.undo()
-        assert calls and ns.stats()["stored_requests"] == 1
+        assert calls and ns.stats().stored_requests == 1
         assert follower.poll() == 1  # b's request; a's own is passed, not stored again
-        assert ns.stats()["stored_requests"] == 2
-        assert ns.log_position == ns.persistence.last_id()
+        assert ns.stats().stored_requests == 2
+        assert ns.log.position == ns.persistence.last_id()
         assert not follower._own
         ns.drafter.check_invariants()
     finally:
@@ -157,7 +157,7 @@ def test_a_follower_behind_a_trimmed_log_skips_the_gap_and_keeps_the_newest(redi
     b = start_runtime(redis_server.url, follow_log="on")
     try:
         a.followers[0].stop()
-        follower = LogFollower(a.service.namespaces["default"]).attach()
+        follower = LogFollower(a.service.namespaces["default"].log).attach()
         rng = np.random.default_rng(3)
         reqs = [request(rng) for _ in range(50)]
         b.service.ingest("default", [(p, o, "") for p, o in reqs])
@@ -166,7 +166,7 @@ def test_a_follower_behind_a_trimmed_log_skips_the_gap_and_keeps_the_newest(redi
         assert follower.poll() == 10
         assert follower.skipped_slots == 40 * 19
         ns = a.service.namespaces["default"]
-        assert ns.log_position == p.last_id()
+        assert ns.log.position == p.last_id()
         assert ring_contents(a).tolist() == [t for q, o in reqs[40:] for t in (*q, *o, -1)]
         ns.drafter.check_invariants()
     finally:
@@ -182,17 +182,17 @@ def test_snapshots_from_several_replicas_restore_and_a_replica_without_following
         rng = np.random.default_rng(4)
         alone.service.ingest("default", [(p, o, "") for p, o in (request(rng) for _ in range(5))])
         a.service.ingest("default", [(p, o, "") for p, o in (request(rng) for _ in range(5))])
-        wait_for(lambda: a.service.stats("default")["stored_requests"] == 10, what="a to follow")
-        assert alone.service.stats("default")["stored_requests"] == 5  # not following: only its own
+        wait_for(lambda: a.service.stats("default").stored_requests == 10, what="a to follow")
+        assert alone.service.stats("default").stored_requests == 5  # not following: only its own
         a.service.snapshot()  # last writer wins: both are valid snapshots of the shared log
         header = a.service.namespaces["default"].persistence.table_info()
-        assert header["last_request_id"] == a.service.namespaces["default"].log_position
+        assert header["last_request_id"] == a.service.namespaces["default"].log.position
     finally:
         a.stop(grace=0)
         alone.stop(grace=0)
     c = start_runtime(redis_server.url)  # an external Redis: following is on by default
     try:
-        assert c.followers and c.service.stats("default")["stored_requests"] == 10
+        assert c.followers and c.service.stats("default").stored_requests == 10
         c.service.namespaces["default"].drafter.check_invariants()
     finally:
         c.stop(grace=0)
