@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
+from drafter_service.api.backoff import BackoffClock, ExponentialBackoff
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -125,33 +125,35 @@ class LocalFigures:
 
 
 class Backoff:
-    """Exponential backoff between attempts to reach the service; one warning when an outage starts and ends."""
+    """Exponential backoff between attempts to reach the service; one warning when an outage starts and ends.
+
+    Waits follow ``ExponentialBackoff(initial, maximum, jitter=0.2)``: each wait is 80-100 % of the doubled one, so
+    clients that lost the service together do not all come back at once. Nothing here sleeps: callers ask ``ready``.
+    """
 
     def __init__(self, address: str, initial: float = 0.1, maximum: float = 5.0) -> None:
         if initial <= 0 or maximum < initial:
             raise ValueError(f"need 0 < initial_backoff <= max_backoff, got {initial}, {maximum}")
-        self.address, self.initial, self.maximum = address, initial, maximum
+        self.address = address
+        self.clock = BackoffClock(ExponentialBackoff(initial, maximum, jitter=0.2))
         self.outages = 0
-        self._delay = 0.0
-        self._until = 0.0
         self._since = 0.0
         self._lock = threading.Lock()
 
     def ready(self) -> bool:
         """Whether an attempt may be made now."""
-        return time.monotonic() >= self._until
+        return self.clock.ready()
 
     @property
     def down(self) -> bool:
         """Whether the last attempt failed."""
-        return self._delay > 0
+        return self.clock.failures > 0
 
     def failure(self, reason: str) -> None:
         """An attempt failed: wait longer before the next one."""
         with self._lock:
-            first = self._delay == 0
-            self._delay = self.initial if first else min(self.maximum, 2 * self._delay)
-            self._until = time.monotonic() + self._delay * random.uniform(0.8, 1.0)
+            first = self.clock.failures == 0
+            wait = self.clock.failure()
             if first:
                 self._since = time.monotonic()
                 self.outages += 1
@@ -160,13 +162,13 @@ class Backoff:
                            self.address, reason)
         else:
             logger.debug("drafter service at %s still unavailable (%s); next try in %.2f s", self.address, reason,
-                         self._delay)
+                         wait)
 
     def success(self) -> None:
         """An attempt succeeded: the outage, if any, is over."""
-        if self._delay:
+        if self.clock.failures:
             with self._lock:
-                self._delay, self._until = 0.0, 0.0
+                self.clock.reset()
             logger.warning("drafter service at %s reachable again after %.1f s", self.address,
                            time.monotonic() - self._since)
 

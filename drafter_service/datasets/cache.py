@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.resources
 import logging
 import os
 import pathlib
 import tempfile
+from importlib.resources.abc import Traversable
 from typing import Iterator
 
 logger = logging.getLogger(__name__)
@@ -14,8 +16,8 @@ logger = logging.getLogger(__name__)
 #: Environment variable that overrides the cache folder.
 CACHE_ENV = "DRAFTER_CACHE_DIR"
 
-#: Environment variable that overrides the shared data folder.
-SHARED_DATA_ENV = "DRAFTER_SHARED_DATA"
+#: The package whose ``data/`` folder holds the bundled data sets.
+DATA_PACKAGE = "drafter_service.datasets"
 
 #: Repository root (this file is ``<repo>/drafter_service/datasets/cache.py``).
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -35,20 +37,22 @@ def cache_dir() -> pathlib.Path:
     return path
 
 
-def shared_data_dir() -> pathlib.Path:
-    """The folder of shared benchmark data (MT-Bench questions and recorded answers).
+def bundled_data(name: str) -> Traversable:
+    """A data set shipped inside this package: the folder ``drafter_service/datasets/data/<name>``.
 
-    Returns:
-        ``$DRAFTER_SHARED_DATA`` when set, otherwise ``<repo>/../shared/data``.
+    Its files are package data, read through :mod:`importlib.resources` (open them with
+    ``(folder / filename).open(encoding="utf-8")``), so they are found wherever the package is installed.
+
+    Args:
+        name: the data set's folder, e.g. ``"mtbench"``.
 
     Raises:
-        FileNotFoundError: when the folder does not exist.
+        FileNotFoundError: when the package ships no such folder.
     """
-    env = os.environ.get(SHARED_DATA_ENV)
-    path = pathlib.Path(env).expanduser() if env else REPO_ROOT.parent / "shared" / "data"
-    if not path.is_dir():
-        raise FileNotFoundError(f"shared data folder {path} not found (set ${SHARED_DATA_ENV})")
-    return path
+    folder = importlib.resources.files(DATA_PACKAGE) / "data" / name
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no bundled data set {name!r} in {DATA_PACKAGE}")
+    return folder
 
 
 @contextlib.contextmanager

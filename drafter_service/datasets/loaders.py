@@ -8,11 +8,12 @@ import logging
 import pathlib
 import re
 from dataclasses import dataclass
+from importlib.resources.abc import Traversable
 from typing import Iterable, Iterator, TextIO
 
 import numpy as np
 
-from drafter_service.datasets.cache import atomic_output, cache_dir, shared_data_dir
+from drafter_service.datasets.cache import atomic_output, bundled_data, cache_dir
 from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -184,12 +185,12 @@ def _encode_all(texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
 
 
-def _read_jsonl(path: pathlib.Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
+def _read_jsonl(path: Traversable) -> list[dict]:
+    with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _mtbench_requests(folder: pathlib.Path) -> Iterator[_RawRequest]:
+def _mtbench_requests(folder: Traversable) -> Iterator[_RawRequest]:
     """MT-Bench turns with vicuna-7b's recorded greedy answers, in question order, turn 1 then 2.
 
     Prompt: the conversation so far in the vicuna v1.1 template
@@ -301,7 +302,7 @@ def _humaneval_requests() -> Iterator[_RawRequest]:
 def _build(name: str, limit: int | None) -> Iterator[Request]:
     """Tokenize a data set from its source, stopping after ``limit`` requests."""
     if name == "mtbench":
-        gen: Iterator[_RawRequest] = _mtbench_requests(shared_data_dir())
+        gen: Iterator[_RawRequest] = _mtbench_requests(bundled_data("mtbench"))
     elif name == "sharegpt":
         gen = _sharegpt_requests()
     elif name == "humaneval":

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 import grpc
 import numpy as np
 
+from drafter_service.api.backoff import ExponentialBackoff
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 
@@ -25,6 +26,8 @@ MAX_REQUEST_TOKENS = 1 << 20
 """The service's default limit on the tokens of one prompt or one output."""
 
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+RETRY_BACKOFF = ExponentialBackoff(base_s=0.5, cap_s=30.0)
+"""Waits between retries of a failed Ingest call (doubling from 0.5 s up to 30 s)."""
 
 
 class WarmError(RuntimeError):
@@ -97,7 +100,7 @@ class GrpcSink:
                 if code not in _RETRIED or attempt == self.retries:
                     raise WarmError(f"the service did not take a batch of {len(msg.requests)} requests: "
                                     f"{code.name}: {exc.details()}") from None
-                delay = min(30.0, 0.5 * 2 ** attempt)
+                delay = RETRY_BACKOFF.delay(attempt)
                 logger.warning("Ingest failed (%s: %s); retrying in %.1f s", code.name, exc.details(), delay)
                 time.sleep(delay)
                 future = self.stub.Ingest.future(msg, timeout=self.timeout, wait_for_ready=True)

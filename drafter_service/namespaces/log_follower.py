@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from drafter_service.api.backoff import BackoffClock, ExponentialBackoff
 from drafter_service.namespaces.durable_log import DurableLog
 from store.persistence import RedisPersistence
 from store.request_log import RequestRecord
@@ -21,8 +22,8 @@ BLOCK_MS = 1000
 """How long one blocking read waits for news (it returns as soon as an entry arrives)."""
 BATCH = 1000
 """Most log entries read per call."""
-BACKOFF_S = (0.05, 5.0)
-"""First and longest wait between reconnection attempts while Redis cannot be reached."""
+BACKOFF = ExponentialBackoff(base_s=0.05, cap_s=5.0)
+"""Waits between reconnection attempts while Redis cannot be reached (doubling from 50 ms up to 5 s)."""
 RESET_CHECK_S = 5.0
 """How often an idle follower checks that the log did not go back (a Redis that lost its data)."""
 MAX_OWN = 1 << 16
@@ -217,7 +218,7 @@ class LogFollower:
                 ns.position = last
 
     def _run(self) -> None:
-        backoff = BACKOFF_S[0]
+        backoff = BackoffClock(BACKOFF)
         while not self._stop.is_set():
             try:
                 self.poll(self.block_ms)
@@ -228,14 +229,13 @@ class LogFollower:
                     logger.warning("namespace %s: following the request log failed (%s); retrying", self.log.name,
                                    exc)
                 self.connected = False
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, BACKOFF_S[1])
+                self._stop.wait(backoff.failure())
                 continue
             if not self.connected:
                 logger.info("namespace %s: following the request log again from %s", self.log.name,
                             self.log.position)
                 self.connected = True
-                backoff = BACKOFF_S[0]
+                backoff.reset()
                 try:  # events may have been missed while away (or Redis lost them)
                     self.sync_frozen()
                 except Exception:

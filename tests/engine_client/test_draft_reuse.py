@@ -209,7 +209,7 @@ def test_backoff_doubles_up_to_its_maximum_and_warns_once_per_outage(caplog):
     with caplog.at_level(logging.WARNING):
         for _ in range(4):
             b.failure("down")
-        assert not b.ready() and b._delay == 0.04 and b.down
+        assert not b.ready() and 0.8 * 0.04 <= b.clock.last_wait <= 0.04 and b.down and b.clock.failures == 4
         b.success()
     assert b.ready() and not b.down and b.outages == 1
     messages = [r.getMessage() for r in caplog.records]
