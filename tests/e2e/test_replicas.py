@@ -21,7 +21,7 @@ from drafter_service.web.metrics import exposition, metrics_registry
 from engine_client.admin import put_frozen_table, remove_frozen_table
 from store.embedded_redis import EmbeddedRedis
 from store.frozen_table import FrozenNGramTable
-from tests.service.test_process import DRAFTER, free_port, wait_serving
+from tests.e2e.test_process import DRAFTER, free_port, wait_serving
 
 VOCAB = 1000
 DELAY_S = 2.0  # the bound asserted on propagation between replicas
