@@ -6,21 +6,37 @@ import argparse
 import logging
 
 from drafter_service.api.credentials import read_secret
-from drafter_service.cli.env_flags import env_flag
+from drafter_service.core.settings import Setting, add_settings, values_from_args
 from engine_client.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
 
 
+CLIENT = "client connection"
+"""Settings group of the flags of the commands that talk to a running service."""
+# ClientSecurity lives in engine_client, which does not declare flags, so its settings are declared here: each
+# fills the ClientSecurity field named by ``field``.
+CLIENT_SETTINGS = (
+    Setting("--token", "bearer token (or @FILE holding it) for namespaces that need one", CLIENT, default="",
+            parse=lambda value: read_secret(value, "--token") if value else "", field="token",
+            name="ClientSecurity.token"),
+    Setting("--tls", "1: connect with TLS, trusting the system's root certificates", CLIENT, default=0, parse=bool,
+            field="tls", name="ClientSecurity.tls"),
+    Setting("--tls-root-ca", "PEM CA that signed the service's certificate (implies TLS)", CLIENT, default="",
+            field="root_ca", name="ClientSecurity.root_ca"),
+    Setting("--tls-client-cert", "PEM client certificate for mutual TLS (with --tls-client-key)", CLIENT, default="",
+            field="client_cert", name="ClientSecurity.client_cert"),
+    Setting("--tls-client-key", "PEM private key of --tls-client-cert", CLIENT, default="", field="client_key",
+            name="ClientSecurity.client_key"),
+    Setting("--tls-server-name", "name the service's certificate is checked against, when it is not the address's "
+            "host", CLIENT, default="", field="server_name", name="ClientSecurity.server_name"),
+)
+"""The --token and --tls* flags (each reads DRAFTER_<FLAG>)."""
+
+
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
     """Add --token, --tls, --tls-root-ca, --tls-client-cert, --tls-client-key and --tls-server-name."""
-    env_flag(parser, "--token", str, "", "bearer token (or @FILE holding it) for namespaces that need one")
-    env_flag(parser, "--tls", int, 0, "1: connect with TLS, trusting the system's root certificates")
-    env_flag(parser, "--tls-root-ca", str, "", "PEM CA that signed the service's certificate (implies TLS)")
-    env_flag(parser, "--tls-client-cert", str, "", "PEM client certificate for mutual TLS (with --tls-client-key)")
-    env_flag(parser, "--tls-client-key", str, "", "PEM private key of --tls-client-cert")
-    env_flag(parser, "--tls-server-name", str, "", "name the service's certificate is checked against, when it is "
-          "not the address's host")
+    add_settings(parser, CLIENT_SETTINGS)
 
 
 def security_from_args(args: argparse.Namespace) -> ClientSecurity:
@@ -30,10 +46,7 @@ def security_from_args(args: argparse.Namespace) -> ClientSecurity:
         SystemExit: an unreadable file or inconsistent settings.
     """
     try:
-        security = ClientSecurity(token=read_secret(args.token, "--token") if args.token else "",
-                                  root_ca=args.tls_root_ca, client_cert=args.tls_client_cert,
-                                  client_key=args.tls_client_key, tls=bool(args.tls),
-                                  server_name=args.tls_server_name)
+        security = ClientSecurity(**values_from_args(CLIENT_SETTINGS, args))
         if security.tls:
             security.credentials()  # unreadable files are reported before any work
     except (ValueError, OSError) as exc:

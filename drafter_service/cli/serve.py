@@ -8,97 +8,36 @@ import logging
 import signal
 import time
 from dataclasses import replace
-from typing import Any
 
 from drafter_service.cli.client_flags import add_client_flags, security_from_args
 from drafter_service.cli.env_flags import env_flag
-from drafter_service.core.config import CardSettings, DrafterConfig, DraftModelSpec
-from drafter_service.service.config import NamespaceSpec, ServiceConfig
+from drafter_service.core.config import DRAFT_MODEL, DRAFTING, SOURCES, CardSettings, DrafterConfig, DraftModelSpec
+from drafter_service.core.settings import Setting, add_settings, settings_of, values_from_args
+from drafter_service.service.config import JOBS, LIMITS, NETWORK, REPLICAS, STORAGE, TENANTS, WARMING, ServiceConfig
 
 logger = logging.getLogger(__name__)
 
 _DEFAULTS = ServiceConfig()
-_CORE = DrafterConfig()
-_CARD = CardSettings()
-_SOURCES = {"session", "store", "dynamic", "frozen", "repeat"}
+GROUP_ORDER = (NETWORK, STORAGE, REPLICAS, DRAFTING, LIMITS, TENANTS, JOBS, WARMING, DRAFT_MODEL)
+"""The order of the settings groups in ``serve --help`` and docs/configuration.md."""
+
+
+def serve_settings() -> tuple[Setting, ...]:
+    """Every ``serve`` setting, in --help order: by group, then as declared."""
+    declared = (settings_of(ServiceConfig) + settings_of(DrafterConfig) + (SOURCES,) + settings_of(DraftModelSpec)
+                + settings_of(CardSettings))
+    unknown = {s.group for s in declared} - set(GROUP_ORDER)
+    if unknown:
+        raise RuntimeError(f"settings groups {sorted(unknown)} are missing from GROUP_ORDER")
+    return tuple(sorted(declared, key=lambda s: GROUP_ORDER.index(s.group)))
 
 
 def add_serve_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``serve``, ``ingest`` and ``stats``."""
-    sp = sub.add_parser("serve", help="run the gRPC drafting service")
-    env_flag(sp, "--address", str, _DEFAULTS.address, "gRPC listen address")
-    env_flag(sp, "--data-dir", str, _DEFAULTS.data_dir, "data folder of the embedded Redis (without --redis-url)")
-    env_flag(sp, "--redis-url", str, _DEFAULTS.redis_url, "use this Redis instead of the embedded one")
-    env_flag(sp, "--namespaces", str, "", "extra namespaces as NAME=VOCAB_SIZE[,NAME=VOCAB_SIZE...]")
-    env_flag(sp, "--vocab-size", int, _DEFAULTS.default_vocab_size, "vocabulary size of the default namespace")
-    env_flag(sp, "--capacity", int, _CORE.capacity, "ring buffer size in tokens, per namespace")
-    env_flag(sp, "--max-nodes", int, _CORE.max_nodes, "default tree budget")
-    env_flag(sp, "--leader-capacity", int, _CORE.leader_capacity, "dynamic n-gram table: most leaders (LC)")
-    env_flag(sp, "--follower-capacity", int, _CORE.follower_capacity, "dynamic n-gram table: followers per leader (FC)")
-    env_flag(sp, "--rebuild-interval", float, _DEFAULTS.rebuild_interval_s, "seconds between index rebuild checks")
-    env_flag(sp, "--rebuild-in-subprocess", int, int(_DEFAULTS.rebuild_in_subprocess), "1: build suffix indexes in a "
-          "child process, so serving keeps the GIL; 0: in the serving process")
-    env_flag(sp, "--snapshot-interval", float, _DEFAULTS.snapshot_interval_s, "seconds between table snapshots")
-    env_flag(sp, "--max-message-bytes", int, _DEFAULTS.max_message_bytes, "gRPC message size limit")
-    env_flag(sp, "--max-sessions", int, _DEFAULTS.max_sessions, "most live sessions")
-    env_flag(sp, "--workers", int, _DEFAULTS.workers, "gRPC worker threads")
-    env_flag(sp, "--max-streams", int, 0, "most streaming calls (DraftStream, PutFrozenTable, health "
-          "Watch) open at once, below --workers (more are refused with RESOURCE_EXHAUSTED; 0: three quarters of "
-          "--workers)")
-    env_flag(sp, "--max-concurrent-rpcs", int, 0, "most calls in progress at once, above --max-streams (more are refused "
-          "with RESOURCE_EXHAUSTED; 0: eight times --workers)")
-    env_flag(sp, "--max-request-tokens", int, _DEFAULTS.max_request_tokens, "most tokens in one prompt, one accepted "
-          "list, one ingested prompt or output, and one session's output in all")
-    env_flag(sp, "--max-nodes-limit", int, _DEFAULTS.max_nodes_limit, "largest tree budget a client may ask for")
-    env_flag(sp, "--max-ingest-requests", int, _DEFAULTS.max_ingest_requests, "most requests in one Ingest call")
-    env_flag(sp, "--max-sessions-per-client", int, _DEFAULTS.max_sessions_per_client, "most live sessions of one "
-          "client (its bearer token, else its address); more are refused with RESOURCE_EXHAUSTED (0: no limit)")
-    env_flag(sp, "--namespace-tokens", str, "", "namespaces that need a bearer token, as NAMESPACE=TOKEN or "
-          "NAMESPACE=@FILE (the token read from a file)[,...]")
-    env_flag(sp, "--admin-token", str, "", "a token (or @FILE) that grants every namespace and the HTTP pages")
-    env_flag(sp, "--http-token", str, "", "a token (or @FILE) for the dashboard, its API and /metrics (required, or "
-          "--admin-token, when any namespace has a token)")
-    env_flag(sp, "--tls-cert", str, "", "PEM certificate chain of the server: serve TLS (with --tls-key)")
-    env_flag(sp, "--tls-key", str, "", "PEM private key of --tls-cert")
-    env_flag(sp, "--tls-client-ca", str, "", "PEM CA that client certificates must be signed by: mutual TLS")
-    env_flag(sp, "--http-address", str, _DEFAULTS.http_address, "dashboard, /metrics and JSON API listen address "
-          "('' for none)")
-    env_flag(sp, "--metrics-interval", float, _DEFAULTS.metrics_interval_s, "seconds between metric points kept "
-          "in Redis")
-    env_flag(sp, "--metrics-history", int, _DEFAULTS.metrics_history, "metric points kept per namespace")
-    env_flag(sp, "--warm-dir", str, _DEFAULTS.warm_dir, "warm from new and grown request logs (*.jsonl) in this folder, "
-          "as `drafter warm --watch` does ('' for none)")
-    env_flag(sp, "--warm-tokenizer", str, _DEFAULTS.warm_tokenizer, "tokenizer.json (or its folder) for text and chat "
-          "logs in --warm-dir")
-    env_flag(sp, "--warm-interval", float, _DEFAULTS.warm_interval_s, "seconds between scans of --warm-dir")
-    env_flag(sp, "--warm-namespace", str, _DEFAULTS.warm_namespace, "namespace --warm-dir is warmed into")
-    env_flag(sp, "--replica-id", str, _DEFAULTS.replica_id, "this replica's name in logs and metrics ('': host "
-          "name and process id)")
-    env_flag(sp, "--follow-log", str, _DEFAULTS.follow_log, "on: follow the request logs and frozen-table changes "
-          "other replicas write to the same Redis; off: only restore at start; auto: on with --redis-url")
-    env_flag(sp, "--spool-dir", str, _DEFAULTS.spool_dir, "folder of the spool that holds acknowledged requests while "
-          "Redis cannot take them ('': DATA_DIR/spool)")
-    env_flag(sp, "--spool-max-bytes", int, _DEFAULTS.spool_max_bytes, "bound on each namespace's spool file; beyond it "
-          "requests are refused with UNAVAILABLE (0: no spool)")
-    env_flag(sp, "--spool-drain-interval", float, _DEFAULTS.spool_drain_interval_s, "seconds between attempts to move "
-          "spooled requests to Redis (and persistence health checks)")
-    env_flag(sp, "--sources", str, "session,store,dynamic,frozen,repeat", "model-free sources to draft from "
-          "(comma-separated; 'none' for the draft model alone)")
-    env_flag(sp, "--draft-model", str, "", "optional draft model(s) as [NAMESPACE=]PATH[,...] (CARD query-and-correct)")
-    env_flag(sp, "--draft-device", str, "cpu", "device of the draft model: cpu, cuda or cuda:N")
-    env_flag(sp, "--draft-dtype", str, "float32", "draft model dtype: float32, bfloat16 or float16")
-    env_flag(sp, "--draft-threads", int, 0, "torch CPU threads for the draft model (0: torch's default)")
-    env_flag(sp, "--card-width", int, _CARD.width, "K: sequences kept per draft-model cache layer")
-    env_flag(sp, "--card-top-k", int, _CARD.top_k, "k: candidates taken from each sequence's distribution")
-    env_flag(sp, "--card-layers", int, _CARD.layers_ahead, "layers the draft model grows ahead of the verified prefix")
-    env_flag(sp, "--card-vocab", int, _CARD.vocab, "draft over this many of the most frequent tokens (0: all); the "
-          "output head is most of a small draft model's cost")
-    env_flag(sp, "--card-nice", int, _CARD.nice, "CPU niceness of the draft model's threads (0-19; Linux)")
-    env_flag(sp, "--card-idle", int, int(_CARD.idle_priority), "1: run the draft model under SCHED_IDLE (only cycles "
-          "nothing else wants)")
-    env_flag(sp, "--card-max-sessions", int, _CARD.max_sessions, "most sessions with a draft-model cache at once")
-    env_flag(sp, "--card-correction", int, int(_CARD.correction), "1: prune the cache to the verified prefix "
-          "(CARD's correction); 0: ablation without it")
+    sp = sub.add_parser("serve", help="run the gRPC drafting service", description="Run the gRPC drafting "
+                        "service. Every flag also reads a DRAFTER_* environment variable (see "
+                        "docs/configuration.md).")
+    add_settings(sp, serve_settings())
     sp.set_defaults(func=run_serve)
 
     ip = sub.add_parser("ingest", help="send completed requests from a JSONL file to a running service")
@@ -117,47 +56,18 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
-    """The ServiceConfig described by ``serve``'s flags."""
-    specs = tuple(NamespaceSpec.parse(part) for part in args.namespaces.split(",") if part.strip())
-    sources = {part.strip() for part in args.sources.split(",") if part.strip() and part.strip() != "none"}
-    unknown = sources - _SOURCES
-    if unknown:
-        raise ValueError(f"unknown sources {sorted(unknown)}; choose among {sorted(_SOURCES)} or 'none'")
-    core = replace(_CORE, capacity=args.capacity, max_nodes=args.max_nodes, leader_capacity=args.leader_capacity,
-                   follower_capacity=args.follower_capacity,
-                   **{f"use_{name}": name in sources for name in _SOURCES})
-    card = CardSettings(width=args.card_width, top_k=args.card_top_k, layers_ahead=args.card_layers,
-                        max_sessions=args.card_max_sessions, correction=bool(args.card_correction),
-                        vocab=args.card_vocab, nice=args.card_nice, idle_priority=bool(args.card_idle))
-    drafts = DraftModelSpec.parse_list(args.draft_model, device=args.draft_device, dtype=args.draft_dtype,
-                                       threads=args.draft_threads, card=card)
-    return ServiceConfig(address=args.address, data_dir=args.data_dir, redis_url=args.redis_url, namespaces=specs,
-                         default_vocab_size=args.vocab_size, drafter=core, rebuild_interval_s=args.rebuild_interval,
-                         rebuild_in_subprocess=bool(args.rebuild_in_subprocess),
-                         snapshot_interval_s=args.snapshot_interval, max_message_bytes=args.max_message_bytes,
-                         max_sessions=args.max_sessions, workers=args.workers, draft_models=drafts,
-                         max_streams=args.max_streams, max_concurrent_rpcs=args.max_concurrent_rpcs,
-                         max_request_tokens=args.max_request_tokens, max_nodes_limit=args.max_nodes_limit,
-                         max_ingest_requests=args.max_ingest_requests,
-                         http_address=args.http_address, metrics_interval_s=args.metrics_interval,
-                         metrics_history=args.metrics_history, warm_dir=args.warm_dir,
-                         warm_tokenizer=args.warm_tokenizer, warm_interval_s=args.warm_interval,
-                         warm_namespace=args.warm_namespace, replica_id=args.replica_id,
-                         spool_dir=args.spool_dir, spool_max_bytes=args.spool_max_bytes,
-                         spool_drain_interval_s=args.spool_drain_interval,
-                         follow_log=args.follow_log, **_tenant_settings(args))
+    """The ServiceConfig described by ``serve``'s flags.
 
-
-def _tenant_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """ServiceConfig fields of the token, TLS and per-client flags (token files are read here)."""
-    from drafter_service.api.credentials import read_secret
-    from drafter_service.service.auth import parse_namespace_tokens
-
-    return {"namespace_tokens": parse_namespace_tokens(args.namespace_tokens),
-            "admin_token": read_secret(args.admin_token, "--admin-token") if args.admin_token else "",
-            "http_token": read_secret(args.http_token, "--http-token") if args.http_token else "",
-            "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
-            "max_sessions_per_client": args.max_sessions_per_client}
+    Raises:
+        ValueError: a flag's value or the configuration is invalid.
+    """
+    fields = values_from_args(settings_of(ServiceConfig), args)
+    fields["drafter"] = DrafterConfig(**values_from_args(settings_of(DrafterConfig), args), **SOURCES.value(args))
+    # --draft-model lists the models; the DraftModelSpec and CardSettings flags apply to each of them.
+    card = CardSettings(**values_from_args(settings_of(CardSettings), args))
+    per_model = values_from_args(settings_of(DraftModelSpec), args)
+    fields["draft_models"] = tuple(replace(spec, card=card, **per_model) for spec in fields["draft_models"])
+    return ServiceConfig(**fields)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -5,43 +5,54 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from drafter_service.api.names import DEFAULT_NAMESPACE, check_name
+from drafter_service.core.settings import Setting, setting
+
+DRAFTING = "drafting"
+"""Settings group of the namespaces' drafting cores."""
+DRAFT_MODEL = "draft model"
+"""Settings group of the optional draft models."""
+SOURCE_NAMES = ("session", "store", "dynamic", "frozen", "repeat")
+"""The model-free sources a namespace drafts from (DrafterConfig's ``use_<name>`` fields)."""
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
     """Sizes and policies of the store, the n-gram tables and the draft trees of one namespace.
 
+    Fields declared with ``setting`` are ``drafter serve`` flags; their help says what they mean.
+
     Attributes:
         vocab_size: token ids must be in [0, vocab_size).
-        capacity: ring buffer size in tokens.
         tail_tokens: unindexed tokens tolerated before the small (delta) index is rebuilt.
         max_match: longest context suffix matched in the store and the session.
         max_occurrences: most recent occurrences whose continuations feed a tree, per source.
-        leader_len, follower_len, leader_capacity, follower_capacity: Cacheback LL, FL, LC, FC.
+        leader_len, follower_len: Cacheback LL, FL (``leader_capacity`` and ``follower_capacity`` are LC, FC).
         table_branch: followers read per table query.
         branch: most children of one node.
-        max_nodes: default tree budget.
         max_depth: deepest node of a tree.
         min_prob: nodes whose estimated acceptance is lower are not drafted.
         adaptive_budget: shrink a session's budget while its drafts are rarely accepted.
         min_nodes: the smallest budget adaptation goes down to.
-        use_session, use_store, use_dynamic, use_frozen: enable each source (for ablations).
+        use_session, use_store, use_dynamic, use_frozen: enable each source (for ablations; ``SOURCES`` sets them).
         use_repeat: offer the stored output of an earlier request with the same prompt (exact-match cache).
         repeat_cache_tokens: most output tokens the cache of repeated prompts holds.
     """
 
     vocab_size: int = 1 << 20
-    capacity: int = 32 * 1024 * 1024
+    capacity: int = field(default=32 * 1024 * 1024, metadata=setting(
+        "--capacity", "ring buffer size in tokens, per namespace (16 bytes per token with its index)", DRAFTING))
     tail_tokens: int = 8192
     max_match: int = 32
     max_occurrences: int = 32
     leader_len: int = 1
     follower_len: int = 3
-    leader_capacity: int = 1 << 20
-    follower_capacity: int = 128
+    leader_capacity: int = field(default=1 << 20, metadata=setting(
+        "--leader-capacity", "dynamic n-gram table: most leaders (LC)", DRAFTING))
+    follower_capacity: int = field(default=128, metadata=setting(
+        "--follower-capacity", "dynamic n-gram table: followers per leader (FC)", DRAFTING))
     table_branch: int = 8
     branch: int = 8
-    max_nodes: int = 32
+    max_nodes: int = field(default=32, metadata=setting("--max-nodes", "default tree budget", DRAFTING))
     max_depth: int = 24
     min_prob: float = 0.001
     adaptive_budget: bool = True
@@ -69,35 +80,59 @@ class DrafterConfig:
             raise ValueError(f"min_nodes ({self.min_nodes}) exceeds max_nodes ({self.max_nodes})")
 
 
+def sources_from_text(text: str) -> dict[str, bool]:
+    """DrafterConfig's ``use_<source>`` fields from a comma-separated list of sources ("none": no source).
+
+    Raises:
+        ValueError: an unknown source.
+    """
+    sources = {part.strip() for part in text.split(",") if part.strip() and part.strip() != "none"}
+    unknown = sources - set(SOURCE_NAMES)
+    if unknown:
+        raise ValueError(f"unknown sources {sorted(unknown)}; choose among {sorted(SOURCE_NAMES)} or 'none'")
+    return {f"use_{name}": name in sources for name in SOURCE_NAMES}
+
+
+# One flag for five fields, so it is declared beside them rather than on one.
+SOURCES = Setting("--sources", "model-free sources to draft from (comma-separated; 'none' for the draft model alone)",
+                  DRAFTING, default=",".join(SOURCE_NAMES), parse=sources_from_text, name="DrafterConfig.use_*")
+"""The ``--sources`` setting: its value is DrafterConfig's ``use_<source>`` keywords."""
+
+
 @dataclass(frozen=True)
 class CardSettings:
     """How a namespace drafts with its optional draft model (CARD's candidate cache).
 
+    Fields declared with ``setting`` are ``drafter serve`` flags; their help says what they mean.
+
     Attributes:
-        width: K, sequences kept per cache layer.
-        top_k: k, candidates taken from each sequence's distribution.
-        layers_ahead: most layers grown below the verified prefix before waiting for the next correction (the
-            paper's communication ratio).
         max_nodes: most live nodes in one session's cache.
-        correction: prune the cache to the verified prefix after every step (False only for ablations).
-        max_sessions: most sessions with a cache at once; later sessions draft without the model.
-        vocab: draft over the ``vocab`` most frequent tokens only (counted over the namespace's store and the
-            model's ``token_counts.npy`` when it has one); 0 for the full vocabulary.
-        nice: CPU niceness of each worker thread (Linux, 0-19): on a CPU shared with the target, a higher value
-            leaves the target more of it and the draft model less.
-        idle_priority: run each worker thread under SCHED_IDLE instead: the draft model only takes cycles the
-            target leaves.
     """
 
-    width: int = 16
-    top_k: int = 4
-    layers_ahead: int = 6
+    width: int = field(default=16, metadata=setting(
+        "--card-width", "K: sequences kept per draft-model cache layer", DRAFT_MODEL))
+    top_k: int = field(default=4, metadata=setting(
+        "--card-top-k", "k: candidates taken from each sequence's distribution", DRAFT_MODEL))
+    layers_ahead: int = field(default=6, metadata=setting(
+        "--card-layers", "layers the draft model grows ahead of the verified prefix before waiting for the next "
+        "correction (the paper's communication ratio)", DRAFT_MODEL))
     max_nodes: int = 1024
-    correction: bool = True
-    max_sessions: int = 8
-    vocab: int = 0
-    nice: int = 0
-    idle_priority: bool = False
+    correction: bool = field(default=True, metadata=setting(
+        "--card-correction", "1: prune the cache to the verified prefix after every step (CARD's correction); 0: "
+        "ablation without it", DRAFT_MODEL))
+    max_sessions: int = field(default=8, metadata=setting(
+        "--card-max-sessions", "most sessions with a draft-model cache at once; later sessions draft without the "
+        "model", DRAFT_MODEL))
+    vocab: int = field(default=0, metadata=setting(
+        "--card-vocab", "draft over this many of the most frequent tokens (counted over the namespace's store and "
+        "the model's token_counts.npy when it has one; 0: all); the output head is most of a small draft model's "
+        "cost", DRAFT_MODEL))
+    nice: int = field(default=0, metadata=setting(
+        "--card-nice", "CPU niceness of the draft model's threads (0-19; Linux): on a CPU shared with the target, a "
+        "higher value leaves the target more of it", DRAFT_MODEL))
+    idle_priority: bool = field(default=False, metadata=setting(
+        "--card-idle", "1: run the draft model's threads under SCHED_IDLE (only cycles nothing else wants)",
+        DRAFT_MODEL))
 
     def __post_init__(self) -> None:
         if not 0 <= self.nice <= 19:
@@ -113,20 +148,23 @@ class CardSettings:
 class DraftModelSpec:
     """An optional draft model for one namespace.
 
+    Fields declared with ``setting`` are ``drafter serve`` flags (applied to every model listed); their help says
+    what they mean.
+
     Attributes:
         namespace: the namespace it drafts for (its vocabulary must match the model's).
         path: folder of the model (from ``drafter distill-draft`` or any transformers causal-LM checkpoint).
-        device: "cpu", "cuda" or "cuda:N".
-        dtype: "float32", "bfloat16" or "float16".
-        threads: torch CPU threads for the model (0 leaves torch's default).
         card: cache sizes and policies.
     """
 
     namespace: str
     path: str
-    device: str = "cpu"
-    dtype: str = "float32"
-    threads: int = 0
+    device: str = field(default="cpu", metadata=setting(
+        "--draft-device", "device of the draft model: cpu, cuda or cuda:N", DRAFT_MODEL))
+    dtype: str = field(default="float32", metadata=setting(
+        "--draft-dtype", "draft model dtype: float32, bfloat16 or float16", DRAFT_MODEL))
+    threads: int = field(default=0, metadata=setting(
+        "--draft-threads", "torch CPU threads for the draft model (0: torch's default)", DRAFT_MODEL))
     card: CardSettings = field(default_factory=CardSettings)
 
     def __post_init__(self) -> None:
@@ -141,7 +179,7 @@ class DraftModelSpec:
             raise ValueError(f"draft model threads must be >= 0, got {self.threads}")
 
     @classmethod
-    def parse_list(cls, text: str, **common: object) -> tuple["DraftModelSpec", ...]:
+    def parse_list(cls, text: str, **common: object) -> tuple[DraftModelSpec, ...]:
         """Parse ``[NAMESPACE=]PATH[,...]`` (no namespace means the default one)."""
         specs = []
         for part in (p.strip() for p in text.split(",")):

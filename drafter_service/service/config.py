@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from drafter_service.api.credentials import check_token
+from drafter_service.api.credentials import check_token, read_secret
 from drafter_service.api.names import DEFAULT_NAMESPACE, check_name
-from drafter_service.core.config import DrafterConfig, DraftModelSpec
+from drafter_service.core.config import DRAFT_MODEL, DRAFTING, DrafterConfig, DraftModelSpec
+from drafter_service.core.settings import setting
+from drafter_service.service.auth import parse_namespace_tokens
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,7 @@ class NamespaceSpec:
             raise ValueError(f"namespace {self.name!r}: vocab_size must be in [1, 2**31], got {self.vocab_size}")
 
     @classmethod
-    def parse(cls, text: str) -> "NamespaceSpec":
+    def parse(cls, text: str) -> NamespaceSpec:
         """Parse ``NAME=VOCAB_SIZE``."""
         name, sep, size = text.partition("=")
         if not sep or not size.strip().isdigit():
@@ -30,101 +33,133 @@ class NamespaceSpec:
         return cls(name.strip(), int(size))
 
 
+def parse_namespaces(text: str) -> tuple[NamespaceSpec, ...]:
+    """Parse ``NAME=VOCAB_SIZE[,NAME=VOCAB_SIZE...]``.
+
+    Raises:
+        ValueError: a malformed entry.
+    """
+    return tuple(NamespaceSpec.parse(part) for part in text.split(",") if part.strip())
+
+
+def _secret(flag: str) -> Callable[[str], str]:
+    """Parses a token flag's value: the token, or the contents of the @FILE it names."""
+    return lambda value: read_secret(value, flag) if value else ""
+
+
+# Settings groups of ServiceConfig (beside DRAFTING and DRAFT_MODEL of drafter_service.core.config).
+NETWORK = "network"
+STORAGE = "storage"
+REPLICAS = "replicas"
+LIMITS = "limits"
+TENANTS = "tenants and TLS"
+JOBS = "background jobs"
+WARMING = "warming from logs"
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """Everything ``drafter serve`` is configured with (flags and environment variables fill it).
 
+    Every field but ``drafter`` is a setting: declared with ``setting``, it is a ``drafter serve`` flag with a
+    DRAFTER_* environment variable, and its help says what it means (``drafter serve --help``,
+    docs/configuration.md).
+
     Attributes:
-        address: gRPC listen address.
-        data_dir: folder of the embedded Redis server's data (used when ``redis_url`` is empty).
-        redis_url: an existing Redis to use instead of the embedded one.
-        namespaces: declared namespaces; "default" is added with ``default_vocab_size`` when missing.
-        default_vocab_size: vocabulary size of the default namespace.
         drafter: sizes and policies of every namespace's core (its vocab_size is overridden per namespace).
-        rebuild_interval_s: how often the background job checks whether a suffix index rebuild is due.
-        rebuild_in_subprocess: build suffix indexes in a child process, so serving threads keep the GIL.
-        snapshot_interval_s: how often dynamic tables and acceptance statistics are saved.
-        max_message_bytes: gRPC message size limit, both directions.
-        max_request_tokens: most tokens in one prompt, one accepted list, one ingested request's prompt or output,
-            and one session's output in all.
-        max_ingest_requests: most requests in one Ingest call.
-        max_nodes_limit: largest tree budget a client may ask for.
-        max_sessions: most live sessions over all namespaces.
-        workers: gRPC server threads.
-        max_streams: most streaming calls open at once (DraftStream, PutFrozenTable, health Watch); each holds a
-            worker thread for its whole life, so it must stay below ``workers`` and unary calls always find a
-            thread. A stream beyond it is refused with RESOURCE_EXHAUSTED. 0: three quarters of ``workers``.
-        max_concurrent_rpcs: most calls in progress at once, streams included (keep it above ``max_streams``);
-            calls beyond it are refused with RESOURCE_EXHAUSTED instead of queueing, so at most
-            ``max_concurrent_rpcs - workers`` calls wait for a thread. 0: eight times ``workers``.
-        draft_models: optional draft models, at most one per namespace.
-        http_address: where the dashboard, ``/metrics`` and the JSON API listen ("host:0" picks a free port;
-            "" serves no HTTP).
-        metrics_interval_s: seconds between metric points (the rollup into Redis).
-        metrics_history: metric points kept per namespace in Redis (the default is a week at 5 s).
-        warm_dir: a folder whose new and grown request logs are warmed into ``warm_namespace`` ("" for none).
-        warm_tokenizer: that namespace's tokenizer (tokenizer.json or its folder) for text and chat logs.
-        warm_interval_s: seconds between scans of ``warm_dir``.
-        warm_namespace: the namespace ``warm_dir`` is warmed into.
-        replica_id: this replica's name in logs and metrics ("": host name and process id).
-        spool_dir: folder of the spool files that hold acknowledged requests while Redis cannot take them
-            ("": ``<data_dir>/spool``); one file per namespace and process, made only when needed.
-        spool_max_bytes: bound on each spool file; a request that would pass it is refused with UNAVAILABLE
-            (0: no spool, every request Redis cannot take is refused).
-        spool_drain_interval_s: seconds between checks that drain spooled requests into Redis once it answers
-            (and update the persistence health).
-        follow_log: "on": follow every namespace's shared request log (and frozen-table changes) written by
-            other replicas on the same Redis into this replica's store; "off": only restore it at start;
-            "auto": on with an external ``redis_url``, off with the embedded Redis (one replica only).
-        namespace_tokens: (namespace, token) pairs: a namespace listed needs ``authorization: Bearer <token>``
-            with its token (or the admin token) on every RPC that touches it; see ``drafter_service.service.auth``.
-        admin_token: a token that grants every namespace and the HTTP pages ("" for none).
-        http_token: a token for the dashboard, its JSON API and /metrics ("" for none). When any namespace has
-            a token, HTTP needs this or the admin token.
-        tls_cert, tls_key: PEM files of the server's certificate chain and private key; serve TLS when set.
-        tls_client_ca: PEM file of the CA(s) client certificates must be signed by: mutual TLS (requires
-            ``tls_cert``); "" accepts clients without certificates.
-        max_sessions_per_client: most live sessions of one client (its bearer token when it sends one, else its
-            peer address without the port); 0 for no limit.
     """
 
-    address: str = "127.0.0.1:50051"
-    data_dir: str = "./drafter-data"
-    redis_url: str = ""
-    namespaces: tuple[NamespaceSpec, ...] = ()
-    default_vocab_size: int = 262144
+    address: str = field(default="127.0.0.1:50051", metadata=setting("--address", "gRPC listen address", NETWORK))
+    data_dir: str = field(default="./drafter-data", metadata=setting(
+        "--data-dir", "data folder of the embedded Redis (without --redis-url)", STORAGE))
+    redis_url: str = field(default="", metadata=setting(
+        "--redis-url", "use this Redis instead of the embedded one", STORAGE))
+    namespaces: tuple[NamespaceSpec, ...] = field(default=(), metadata=setting(
+        "--namespaces", "extra namespaces as NAME=VOCAB_SIZE[,NAME=VOCAB_SIZE...] (the default namespace is added "
+        "with --vocab-size when not listed)", DRAFTING, parse=parse_namespaces))
+    default_vocab_size: int = field(default=262144, metadata=setting(
+        "--vocab-size", "vocabulary size of the default namespace", DRAFTING))
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
-    rebuild_interval_s: float = 1.0
-    rebuild_in_subprocess: bool = True
-    snapshot_interval_s: float = 30.0
-    max_message_bytes: int = 64 * 1024 * 1024
-    max_request_tokens: int = 1 << 20
-    max_ingest_requests: int = 10000
-    max_nodes_limit: int = 1024
-    max_sessions: int = 100000
-    workers: int = 128
-    max_streams: int = 0
-    max_concurrent_rpcs: int = 0
-    draft_models: tuple[DraftModelSpec, ...] = ()
-    http_address: str = "127.0.0.1:8050"
-    metrics_interval_s: float = 5.0
-    metrics_history: int = 7 * 24 * 3600 // 5
-    warm_dir: str = ""
-    warm_tokenizer: str = ""
-    warm_interval_s: float = 10.0
-    warm_namespace: str = DEFAULT_NAMESPACE
-    replica_id: str = ""
-    spool_dir: str = ""
-    spool_max_bytes: int = 256 * 1024 * 1024
-    spool_drain_interval_s: float = 1.0
-    follow_log: str = "auto"
-    namespace_tokens: tuple[tuple[str, str], ...] = field(default=(), repr=False)
-    admin_token: str = field(default="", repr=False)
-    http_token: str = field(default="", repr=False)
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
-    max_sessions_per_client: int = 0
+    rebuild_interval_s: float = field(default=1.0, metadata=setting(
+        "--rebuild-interval", "seconds between index rebuild checks", JOBS))
+    rebuild_in_subprocess: bool = field(default=True, metadata=setting(
+        "--rebuild-in-subprocess", "1: build suffix indexes in a child process, so serving keeps the GIL; 0: in "
+        "the serving process", JOBS))
+    snapshot_interval_s: float = field(default=30.0, metadata=setting(
+        "--snapshot-interval", "seconds between snapshots of the dynamic tables and acceptance statistics", JOBS))
+    max_message_bytes: int = field(default=64 * 1024 * 1024, metadata=setting(
+        "--max-message-bytes", "gRPC message size limit, both directions", LIMITS))
+    max_request_tokens: int = field(default=1 << 20, metadata=setting(
+        "--max-request-tokens", "most tokens in one prompt, one accepted list, one ingested prompt or output, and "
+        "one session's output in all", LIMITS))
+    max_ingest_requests: int = field(default=10000, metadata=setting(
+        "--max-ingest-requests", "most requests in one Ingest call", LIMITS))
+    max_nodes_limit: int = field(default=1024, metadata=setting(
+        "--max-nodes-limit", "largest tree budget a client may ask for", LIMITS))
+    max_sessions: int = field(default=100000, metadata=setting(
+        "--max-sessions", "most live sessions over all namespaces", LIMITS))
+    workers: int = field(default=128, metadata=setting(
+        "--workers", "gRPC worker threads (an open stream holds one)", NETWORK))
+    max_streams: int = field(default=0, metadata=setting(
+        "--max-streams", "most streaming calls (DraftStream, PutFrozenTable, health Watch) open at once, below "
+        "--workers so unary calls always find a thread (more are refused with RESOURCE_EXHAUSTED; 0: three "
+        "quarters of --workers)", LIMITS))
+    max_concurrent_rpcs: int = field(default=0, metadata=setting(
+        "--max-concurrent-rpcs", "most calls in progress at once, streams included, above --max-streams (more are "
+        "refused with RESOURCE_EXHAUSTED instead of queueing; 0: eight times --workers)", LIMITS))
+    draft_models: tuple[DraftModelSpec, ...] = field(default=(), metadata=setting(
+        "--draft-model", "optional draft model(s) as [NAMESPACE=]PATH[,...], at most one per namespace (CARD "
+        "query-and-correct; PATH from `drafter distill-draft` or any transformers causal-LM checkpoint)",
+        DRAFT_MODEL, parse=DraftModelSpec.parse_list))
+    http_address: str = field(default="127.0.0.1:8050", metadata=setting(
+        "--http-address", "dashboard, /metrics and JSON API listen address ('host:0': a free port; '' for none)",
+        NETWORK))
+    metrics_interval_s: float = field(default=5.0, metadata=setting(
+        "--metrics-interval", "seconds between metric points kept in Redis", JOBS))
+    metrics_history: int = field(default=7 * 24 * 3600 // 5, metadata=setting(
+        "--metrics-history", "metric points kept per namespace (the default is a week at 5 s)", JOBS))
+    warm_dir: str = field(default="", metadata=setting(
+        "--warm-dir", "warm from new and grown request logs (*.jsonl) in this folder, as `drafter warm --watch` "
+        "does ('' for none)", WARMING))
+    warm_tokenizer: str = field(default="", metadata=setting(
+        "--warm-tokenizer", "tokenizer.json (or its folder) for text and chat logs in --warm-dir", WARMING))
+    warm_interval_s: float = field(default=10.0, metadata=setting(
+        "--warm-interval", "seconds between scans of --warm-dir", WARMING))
+    warm_namespace: str = field(default=DEFAULT_NAMESPACE, metadata=setting(
+        "--warm-namespace", "namespace --warm-dir is warmed into", WARMING))
+    replica_id: str = field(default="", metadata=setting(
+        "--replica-id", "this replica's name in logs and metrics ('': host name and process id)", REPLICAS))
+    spool_dir: str = field(default="", metadata=setting(
+        "--spool-dir", "folder of the spool that holds acknowledged requests while Redis cannot take them, one file "
+        "per namespace and process, made only when needed ('': DATA_DIR/spool)", STORAGE))
+    spool_max_bytes: int = field(default=256 * 1024 * 1024, metadata=setting(
+        "--spool-max-bytes", "bound on each namespace's spool file; beyond it requests are refused with "
+        "UNAVAILABLE (0: no spool)", STORAGE))
+    spool_drain_interval_s: float = field(default=1.0, metadata=setting(
+        "--spool-drain-interval", "seconds between attempts to move spooled requests to Redis (and persistence "
+        "health checks)", STORAGE))
+    follow_log: str = field(default="auto", metadata=setting(
+        "--follow-log", "on: follow the request logs and frozen-table changes other replicas write to the same "
+        "Redis; off: only restore at start; auto: on with --redis-url", REPLICAS))
+    namespace_tokens: tuple[tuple[str, str], ...] = field(default=(), repr=False, metadata=setting(
+        "--namespace-tokens", "namespaces that need a bearer token, as NAMESPACE=TOKEN or NAMESPACE=@FILE (the "
+        "token read from a file)[,...]; a namespace listed needs its token (or the admin token) on every call that "
+        "touches it", TENANTS, parse=parse_namespace_tokens))
+    admin_token: str = field(default="", repr=False, metadata=setting(
+        "--admin-token", "a token (or @FILE) that grants every namespace and the HTTP pages", TENANTS,
+        parse=_secret("--admin-token")))
+    http_token: str = field(default="", repr=False, metadata=setting(
+        "--http-token", "a token (or @FILE) for the dashboard, its API and /metrics (required, or --admin-token, "
+        "when any namespace has a token)", TENANTS, parse=_secret("--http-token")))
+    tls_cert: str = field(default="", metadata=setting(
+        "--tls-cert", "PEM certificate chain of the server: serve TLS (with --tls-key)", TENANTS))
+    tls_key: str = field(default="", metadata=setting("--tls-key", "PEM private key of --tls-cert", TENANTS))
+    tls_client_ca: str = field(default="", metadata=setting(
+        "--tls-client-ca", "PEM CA that client certificates must be signed by: mutual TLS (needs --tls-cert; '': "
+        "clients without certificates are accepted)", TENANTS))
+    max_sessions_per_client: int = field(default=0, metadata=setting(
+        "--max-sessions-per-client", "most live sessions of one client (its bearer token, else its address without "
+        "the port); more are refused with RESOURCE_EXHAUSTED (0: no limit)", LIMITS))
 
     def __post_init__(self) -> None:
         names = [ns.name for ns in self.namespaces]
