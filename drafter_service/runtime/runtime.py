@@ -76,7 +76,8 @@ class Runtime:
         self.rollup = MetricsRollup(self.service)
         if cfg.http_address:
             self.http = DashboardServer(self.service, self.rollup, cfg.http_address,
-                                        interval_s=cfg.metrics_interval_s, auth=HttpAuth.from_config(cfg))
+                                        interval_s=cfg.metrics_interval_s,
+                                        auth=HttpAuth(cfg.http_token, cfg.admin_token, bool(cfg.namespace_tokens)))
             try:
                 self.http.start()
             except OSError as exc:

@@ -7,13 +7,11 @@ import hmac
 import logging
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
 
 from drafter_service.api.credentials import bearer_token, read_secret
 from drafter_service.api.errors import PermissionDenied, Unauthenticated
 
-if TYPE_CHECKING:
-    from drafter_service.service.config import ServiceConfig
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +87,6 @@ class Authorizer:
         if admin_token:
             self._keys.append((_digest(admin_token), None, self._scope(admin_token)))
 
-    @classmethod
-    def from_config(cls, config: "ServiceConfig") -> "Authorizer":
-        """The authorizer of a service configuration."""
-        return cls(config.namespace_tokens, config.admin_token)
-
     @property
     def enabled(self) -> bool:
         """Whether any token is configured."""
@@ -157,11 +150,6 @@ class HttpAuth:
     def __init__(self, http_token: str = "", admin_token: str = "", required: bool = False) -> None:
         self.required = bool(required or http_token)
         self._keys = [_digest(t) for t in (http_token, admin_token) if t]
-
-    @classmethod
-    def from_config(cls, config: "ServiceConfig") -> "HttpAuth":
-        """The HTTP guard of a service configuration."""
-        return cls(config.http_token, config.admin_token, bool(config.namespace_tokens))
 
     def allows(self, token: str | None) -> bool:
         """Whether a request presenting ``token`` (None: none) may read protected pages."""

@@ -43,7 +43,7 @@ class DrafterService:
             store = persistence(spec.name, spec.vocab_size) if persistence is not None else None
             self.namespaces[spec.name] = Namespace.create(spec.name, config.drafter, spec.vocab_size, store,
                                                           drafts.get(spec.name))
-        self.auth = Authorizer.from_config(config)
+        self.auth = Authorizer(config.namespace_tokens, config.admin_token)
         self.sessions = SessionRoutes(config.max_sessions, config.max_sessions_per_client)
 
     # -- lifecycle ------------------------------------------------------------------------------------

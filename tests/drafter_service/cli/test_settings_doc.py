@@ -16,7 +16,7 @@ from drafter_service.core.config import CardSettings, DrafterConfig, DraftModelS
 from drafter_service.core.settings import add_settings, setting, settings_of, values_from_args
 from drafter_service.service.config import NamespaceSpec, ServiceConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ALL = serve_settings() + CLIENT_SETTINGS
 
 
