@@ -1,12 +1,12 @@
 # make run: install into .venv and start the service (embedded Redis, data in ./drafter-data).
-# make test: install everything into .venv and run the test suite.
+# make test: install everything into .venv, check lint, types and import layers, and run the test suite.
 # make demo: the reference engine on a few prompts, with and without drafter.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test demo bench-peers bench clean browser
+.PHONY: run test lint demo bench-peers bench clean browser
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -22,8 +22,14 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(VENV)/bin/drafter serve
 
-test: $(STAMP) browser
+test: $(STAMP) browser lint
 	DRAFTER_REQUIRE_BROWSER=1 $(PY) -m pytest -q
+
+# Lint (ruff), types (mypy) and the import layers (import-linter contracts in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 # The dashboard test drives Debian's headless Chromium: install chromium and chromium-driver when they are missing
 # (apt-get as root, or through password-less sudo).

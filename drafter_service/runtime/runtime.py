@@ -47,7 +47,7 @@ class Runtime:
         self.persistence_health: PersistenceHealth | None = None
         self._stopped = threading.Event()
 
-    def start(self) -> "Runtime":
+    def start(self) -> Runtime:
         """Connect storage, restore every namespace, start serving and the background jobs."""
         cfg = self.config
         url = cfg.redis_url
@@ -131,7 +131,7 @@ class Runtime:
         """Block until ``stop`` is called (from a signal handler or another thread)."""
         self._stopped.wait()
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

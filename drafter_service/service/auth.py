@@ -6,12 +6,11 @@ import hashlib
 import hmac
 import logging
 import secrets
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from drafter_service.api.credentials import bearer_token, read_secret
 from drafter_service.api.errors import PermissionDenied, Unauthenticated
-
 
 logger = logging.getLogger(__name__)
 

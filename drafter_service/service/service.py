@@ -13,7 +13,6 @@ from drafter_service.api.errors import InvalidArgument, NotFound
 from drafter_service.api.names import DEFAULT_NAMESPACE, check_name
 from drafter_service.api.tree import DraftTree
 from drafter_service.core.session import DraftSession
-from drafter_service.model.card import load_drafts
 from drafter_service.namespaces.namespace import Namespace
 from drafter_service.namespaces.stats import NamespaceStats
 from drafter_service.service.auth import TRUSTED, Authorizer, Caller
@@ -37,6 +36,9 @@ class DrafterService:
         self.namespaces: dict[str, Namespace] = {}
         drafts = {}
         for model_spec in config.draft_models:  # loaded first: a bad model refuses to start with nothing opened
+            # Imported here: torch loads only when a namespace has a draft model.
+            from drafter_service.model.card import load_drafts
+
             ns_spec = config.namespace(model_spec.namespace)
             drafts[model_spec.namespace] = load_drafts(model_spec, ns_spec.vocab_size)
         for spec in config.namespaces:
@@ -183,7 +185,7 @@ class DrafterService:
         """GetStats figures of one namespace."""
         return self.namespace(namespace, caller).stats()
 
-    def put_frozen(self, namespace: str, name: str, table: "FrozenNGramTable", source: str = "",
+    def put_frozen(self, namespace: str, name: str, table: FrozenNGramTable, source: str = "",
                    caller: Caller | None = None) -> dict:
         """Store a frozen table durably and draft from it (replacing one of that name); returns its header."""
         return self.namespace(namespace, caller).frozen_tables.put(name, table, source)

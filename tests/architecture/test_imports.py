@@ -14,10 +14,13 @@ GENERATED = "drafter_service/api/drafter"
 
 
 def module_files() -> dict[str, pathlib.Path]:
-    """Dotted module name -> file, for every module of the project's packages (generated code left out)."""
+    """Dotted module name -> file, for every module of the project's packages (generated code left out).
+
+    A C extension counts as the module its source names (``core/_tree.c`` is ``drafter_service.core._tree``).
+    """
     found = {}
     for package in PACKAGES:
-        for path in sorted((REPO / package).rglob("*.py")):
+        for path in sorted([*(REPO / package).rglob("*.py"), *(REPO / package).rglob("*.c")]):
             rel = path.relative_to(REPO)
             if rel.as_posix().startswith(GENERATED):
                 continue
@@ -30,6 +33,8 @@ def module_files() -> dict[str, pathlib.Path]:
 
 def imported_modules(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
     """Project modules ``name`` imports anywhere in its file: top level, under TYPE_CHECKING, inside functions."""
+    if path.suffix != ".py":
+        return set()
     is_package = path.name == "__init__.py"
     targets: list[str] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -42,8 +47,9 @@ def imported_modules(name: str, path: pathlib.Path, known: set[str]) -> set[str]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            targets.append(module)
-            targets += [f"{module}.{alias.name}" for alias in node.names]
+            submodules = [f"{module}.{alias.name}" for alias in node.names]
+            # `from package import submodule` depends on the submodule; a name defined by the package, on it
+            targets += submodules if all(m in known for m in submodules) else [module, *submodules]
     out = set()
     for target in targets:
         while target and target not in known:  # `from a.b import c`: c may be a name, not a module
@@ -113,7 +119,9 @@ def test_imports_inside_functions_and_type_checking_blocks_count(tmp_path):
     path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.x import X\n"
                     "def f():\n    import pkg.y\n    from . import z\n")
     known = {"pkg", "pkg.x", "pkg.y", "pkg.z", "pkg.m"}
-    assert imported_modules("pkg.m", path, known) == {"pkg", "pkg.x", "pkg.y", "pkg.z"}
+    assert imported_modules("pkg.m", path, known) == {"pkg.x", "pkg.y", "pkg.z"}
+    path.write_text("from pkg import X, z\n")  # X is defined by the package itself
+    assert imported_modules("pkg.m", path, known) == {"pkg", "pkg.z"}
 
 
 def test_no_two_modules_import_each_other_through_any_chain():
