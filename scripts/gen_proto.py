@@ -34,7 +34,7 @@ def generate(out: pathlib.Path) -> dict[str, str]:
         text = path.read_text()
         text = re.sub(r"^from drafter\.v1 import", f"from {PACKAGE}.drafter.v1 import", text, flags=re.M)
         files[str(path.relative_to(out))] = HEADER + text
-    for pkg in ("", "drafter", "drafter/v1"):
+    for pkg in ("drafter", "drafter/v1"):  # the api package itself is not generated
         files[str(pathlib.Path(pkg) / "__init__.py")] = '"""Generated gRPC API code (see scripts/gen_proto.py)."""\n'
     return files
 

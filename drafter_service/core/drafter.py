@@ -70,7 +70,9 @@ class Drafter:
         Raises:
             InvalidArgument: on ids outside [0, vocab_size) or an empty array when not allowed.
         """
-        if isinstance(values, (list, tuple)) and len(values) <= 256:  # the common small case, without numpy
+        if not isinstance(values, np.ndarray) and len(values) <= 256:  # the common small case, without numpy
+            if not isinstance(values, (list, tuple)):  # e.g. a protobuf repeated field: a list is read fastest
+                values = list(values)
             if not values:
                 if not allow_empty:
                     raise InvalidArgument(f"{what} is empty")

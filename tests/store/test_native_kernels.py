@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drafter_service.core.session import DraftSession
+from drafter_service.core.acceptance import AcceptanceModel
+from drafter_service.core.session import BudgetPolicy, DraftSession
 from store import match_kernels, suffix_index
 from store.match_kernels import continuations, extend_matches, scan_matches
 from store.token_store import Continuations, TokenStore
@@ -218,7 +219,7 @@ def test_session_lookup_equals_numpy_reference(prompt: list[int], steps: list[li
                                                max_match: int, max_occurrences: int, depth: int) -> None:
     if wide is not None:
         prompt = [wide if t == 3 else t for t in prompt]
-    sess = DraftSession(None, "s", np.array(prompt, dtype=np.int32), 32)  # type: ignore[arg-type]
+    sess = DraftSession("s", np.array(prompt, dtype=np.int32), 32, AcceptanceModel(), BudgetPolicy())
     for step in [[]] + steps:
         sess.append(np.array(step, dtype=np.int32))
         got = sess.lookup(max_match, max_occurrences, depth)
