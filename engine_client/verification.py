@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 

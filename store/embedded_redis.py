@@ -68,10 +68,10 @@ def _die_with_parent(parent_pid: int):
 
 
 _launcher_lock = threading.Lock()
-_launcher_queue: "queue.SimpleQueue | None" = None
+_launcher_queue: queue.SimpleQueue | None = None
 
 
-def _launch_loop(requests: "queue.SimpleQueue") -> None:
+def _launch_loop(requests: queue.SimpleQueue) -> None:
     while True:
         args, kwargs, done = requests.get()
         try:
@@ -182,7 +182,7 @@ class EmbeddedRedis:
         except OSError:
             return ""
 
-    def start(self) -> "EmbeddedRedis":
+    def start(self) -> EmbeddedRedis:
         """Launch the server and wait until it answers PING.
 
         With port 0 a free port is picked; if another process takes it first, another is tried.
@@ -258,7 +258,7 @@ class EmbeddedRedis:
                 proc.wait()
         return proc.returncode
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -31,7 +31,7 @@ class FrozenNGramTable:
     """
 
     def __init__(self, leader_len: int, follower_len: int,
-                 entries: "dict[Follower, list[tuple[Follower, int]]] | None" = None) -> None:
+                 entries: dict[Follower, list[tuple[Follower, int]]] | None = None) -> None:
         """Wrap prepared entries (leader -> followers with counts); ``from_arrays`` is the direct way."""
         self.leader_len = int(leader_len)
         self.follower_len = int(follower_len)
@@ -47,7 +47,7 @@ class FrozenNGramTable:
 
     @classmethod
     def from_arrays(cls, leader_len: int, follower_len: int, leaders: np.ndarray, fanout: np.ndarray,
-                    followers: np.ndarray, counts: np.ndarray) -> "FrozenNGramTable":
+                    followers: np.ndarray, counts: np.ndarray) -> FrozenNGramTable:
         """A table from CSR arrays (as ``arrays()`` returns them).
 
         Args:

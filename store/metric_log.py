@@ -19,7 +19,7 @@ METRICS_HISTORY = 7 * 24 * 3600 // 5
 class MetricLog:
     """The metric-point part of ``RedisPersistence`` (which sets ``client``, ``metrics_key``, ``metrics_history``)."""
 
-    client: "redis.Redis"
+    client: redis.Redis
     metrics_key: str
     metrics_history: int
 

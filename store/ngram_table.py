@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from store.frozen_table import FrozenNGramTable  # noqa: F401  (re-exported: frozen tables live there)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import redis
@@ -61,7 +61,7 @@ class RedisPersistence(SnapshotStore, MetricLog):
     Token ids are validated before anything is written, so a rejected call changes nothing.
     """
 
-    def __init__(self, client_or_url: "redis.Redis | str", namespace: str, vocab_size: int | None = None,
+    def __init__(self, client_or_url: redis.Redis | str, namespace: str, vocab_size: int | None = None,
                  durable: bool = True, fsync_timeout_ms: int = 5000,
                  metrics_history: int = METRICS_HISTORY) -> None:
         """Connect and check (or record) the namespace's layout version and vocabulary size.

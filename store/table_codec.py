@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 

@@ -8,9 +8,9 @@ import logging
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 from tqdm import tqdm

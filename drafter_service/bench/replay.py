@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,7 +31,7 @@ class CoreDrafter:
     """
 
     def __init__(self, config: DrafterConfig | None = None, name: str = "drafter",
-                 draft_model: "DraftModelDrafts | None" = None) -> None:
+                 draft_model: DraftModelDrafts | None = None) -> None:
         self.name = name
         self.core = Drafter(config, draft_model)
         self.untimed_ns = 0  # waiting for the draft model, taken out of the latency figures

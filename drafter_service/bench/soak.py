@@ -11,9 +11,9 @@ import shlex
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import grpc
 import numpy as np

@@ -63,8 +63,8 @@ def smollm2_checkpoint() -> pathlib.Path:
     return target
 
 
-def load_smollm2(dtype: "torch.dtype | None" = None, device: "str | torch.device | None" = None
-                 ) -> "PreTrainedModel":
+def load_smollm2(dtype: torch.dtype | None = None, device: str | torch.device | None = None
+                 ) -> PreTrainedModel:
     """SmolLM2-135M-Instruct in eval mode.
 
     Args:

@@ -7,8 +7,9 @@ import queue
 import resource
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import TypeVar
 
 import numpy as np
 

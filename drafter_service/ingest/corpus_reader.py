@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import numpy as np
 

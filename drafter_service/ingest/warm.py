@@ -7,9 +7,9 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -58,7 +58,7 @@ class WarmStats:
         if len(self.malformed_lines) < SHOWN_MALFORMED:
             self.malformed_lines.append(where)
 
-    def merge(self, other: "WarmStats") -> None:
+    def merge(self, other: WarmStats) -> None:
         """Add another run's figures (the listed malformed lines too, up to the limit)."""
         for name in ("requests", "tokens", "skipped", "malformed", "files", "bytes_read"):
             setattr(self, name, getattr(self, name) + getattr(other, name))

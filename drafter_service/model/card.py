@@ -11,8 +11,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
 from drafter_service.core.config import CardSettings, DraftModelSpec

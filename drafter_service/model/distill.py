@@ -15,8 +15,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from drafter_service.datasets.loaders import DATASET_NAMES
 from drafter_service.model.distill_data import (
@@ -134,7 +135,7 @@ class DistillResult:
 # -- training ------------------------------------------------------------------------------------------------
 
 
-def distill_batch(draft: "PreTrainedModel", target: "PreTrainedModel", ids: "torch.Tensor", mask: "torch.Tensor",
+def distill_batch(draft: PreTrainedModel, target: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor,
                   train: bool = True, autocast: bool = False) -> tuple[float, int, int]:
     """KL(target || draft) over the real positions of a batch; with ``train`` also the draft's gradients.
 
@@ -175,7 +176,7 @@ def distill_batch(draft: "PreTrainedModel", target: "PreTrainedModel", ids: "tor
     return kl_sum, agree, n
 
 
-def evaluate(draft: "PreTrainedModel", target: "PreTrainedModel", held: list[Source], seq_len: int, batch: int
+def evaluate(draft: PreTrainedModel, target: PreTrainedModel, held: list[Source], seq_len: int, batch: int
              ) -> tuple[float, float, dict[str, float], int]:
     """Top-1 agreement and mean KL on the last ``seq_len`` tokens of every held-out request.
 
@@ -202,7 +203,7 @@ def lr_factor(step: int, config: DistillConfig) -> float:
     return warm * (0.1 + 0.45 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps)))
 
 
-def save_checkpoint(out: pathlib.Path, draft: "PreTrainedModel", state: dict) -> None:
+def save_checkpoint(out: pathlib.Path, draft: PreTrainedModel, state: dict) -> None:
     """Write the draft and trainer state to ``out/checkpoint`` so that a complete checkpoint always exists.
 
     The new one is written into a temporary folder; the previous one is moved to ``checkpoint.old`` and
@@ -256,8 +257,8 @@ def stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(s, h)
 
 
-def _start(config: DistillConfig, target: "PreTrainedModel", train_windows: int
-           ) -> tuple["PreTrainedModel", dict | None]:
+def _start(config: DistillConfig, target: PreTrainedModel, train_windows: int
+           ) -> tuple[PreTrainedModel, dict | None]:
     """The draft to train: a fresh one from the target, or the checkpoint's with its trainer state."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -359,7 +360,7 @@ def distill(config: DistillConfig, sources: list[Source], progress: bool = True)
     return DistillResult(_finish(config, draft.eval(), target, held, state, vocab), False, tokens_per_s)
 
 
-def _finish(config: DistillConfig, draft: "PreTrainedModel", target: "PreTrainedModel", held: list[Source],
+def _finish(config: DistillConfig, draft: PreTrainedModel, target: PreTrainedModel, held: list[Source],
             state: dict, vocab: int) -> DraftMeta:
     """Evaluate and time the trained draft, then save it with its metadata into ``config.out``."""
     import torch

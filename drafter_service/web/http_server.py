@@ -85,7 +85,7 @@ class DashboardServer:
     page's own API calls carry it) or that cookie; /healthz without it answers only ``{"status": ...}``.
     """
 
-    def __init__(self, service: "DrafterService", rollup: "MetricsRollup", address: str,
+    def __init__(self, service: DrafterService, rollup: MetricsRollup, address: str,
                  registry: CollectorRegistry | None = None, interval_s: float = 5.0,
                  auth: HttpAuth | None = None) -> None:
         self.service = service
@@ -109,7 +109,7 @@ class DashboardServer:
         host = self.address.rpartition(":")[0]
         return f"http://{host}:{self.port}/"
 
-    def start(self) -> "DashboardServer":
+    def start(self) -> DashboardServer:
         """Bind and serve on a daemon thread.
 
         Raises:

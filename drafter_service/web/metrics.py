@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -64,7 +65,7 @@ class DrafterCollector(Collector):
     A namespace whose statistics fail is skipped with a logged error; the others are still exported.
     """
 
-    def __init__(self, service: "DrafterService") -> None:
+    def __init__(self, service: DrafterService) -> None:
         self.service = service
 
     def describe(self) -> list[Metric]:
@@ -121,7 +122,7 @@ def _families(figures: list[tuple[str, dict]]) -> Iterator[Metric]:
     yield from (rate, healthy, latency, drafted, confirmed)
 
 
-def _follower_families(service: "DrafterService") -> Iterator[Metric]:
+def _follower_families(service: DrafterService) -> Iterator[Metric]:
     """Log following of a replica that shares its Redis with others (nothing when it does not follow)."""
     followers = [(name, ns.follower.stats()) for name, ns in list(service.namespaces.items())
                  if ns.follower is not None]
@@ -142,7 +143,7 @@ def _follower_families(service: "DrafterService") -> Iterator[Metric]:
     yield from (info, applied, skipped, connected)
 
 
-def metrics_registry(service: "DrafterService") -> CollectorRegistry:
+def metrics_registry(service: DrafterService) -> CollectorRegistry:
     """A registry of its own (not prometheus_client's global one) holding a ``DrafterCollector``."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DrafterCollector(service))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import pathlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest

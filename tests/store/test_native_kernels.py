@@ -8,7 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
