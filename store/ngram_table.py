@@ -140,7 +140,9 @@ class PyLRUNGramTable:
 
 
 try:
-    from store._lru import LRUTable as NativeLRUTable
+    from store._lru import LRUTable as _LRUTable
+
+    NativeLRUTable: type[_LRUTable] | None = _LRUTable
 except ImportError:  # not built
     NativeLRUTable = None
     logger.debug("store._lru is not built; the dynamic table is pure Python")

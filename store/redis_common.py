@@ -15,6 +15,14 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 """Namespaces and frozen-table names."""
 
 
+StreamEntry = tuple[bytes, dict[bytes, bytes]]
+"""One stream entry as XRANGE, XREVRANGE and XREAD give it: (entry id, {field: value}).
+
+redis-py types every reply as ``bytes | str`` because it cannot tell whether a client decodes responses; the
+clients here never do (``RedisPersistence`` refuses one that does), so replies read as bytes are cast to this form.
+"""
+
+
 class PersistenceError(RuntimeError):
     """Stored data cannot be used as asked (other layout version or vocabulary) or a write is not durable."""
 

@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 import redis
@@ -77,7 +78,7 @@ class SnapshotStore:
 
     def _read_blobs(self, key: str) -> tuple[dict, dict[str, np.ndarray]] | None:
         with _redis_errors(f"read {key}"):
-            fields = self.client.hgetall(key)
+            fields = cast("dict[bytes, bytes]", self.client.hgetall(key))  # see redis_common.StreamEntry
         if not fields:
             return None
         try:
@@ -152,7 +153,7 @@ class SnapshotStore:
     def list_frozen(self) -> list[str]:
         """Names of the stored frozen tables, sorted."""
         with _redis_errors("list frozen tables"):
-            return sorted(n.decode() for n in self.client.smembers(self.frozen_set_key))
+            return sorted(n.decode() for n in cast("set[bytes]", self.client.smembers(self.frozen_set_key)))
 
     def delete_frozen(self, name: str) -> bool:
         """Delete frozen table ``name``; False when there was none."""
@@ -243,4 +244,4 @@ class SnapshotStore:
         if found is None:
             return {}
         arrays = found[1]
-        return {k: (a, t) for k, (a, t) in zip(arrays["keys"].tolist(), arrays["values"].tolist())}
+        return {k: (a, t) for k, (a, t) in zip(arrays["keys"].tolist(), arrays["values"].tolist(), strict=True)}
