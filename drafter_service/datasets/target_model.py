@@ -77,4 +77,5 @@ def load_smollm2(dtype: torch.dtype | None = None, device: str | torch.device | 
     dtype = torch.bfloat16 if dtype is None else dtype
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint(), dtype=dtype)
-    return model.to(device).eval()
+    # transformers wraps PreTrainedModel.to with functools.wraps, which type checkers take for an unbound method
+    return model.to(device).eval()  # type: ignore[arg-type]

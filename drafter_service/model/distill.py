@@ -189,9 +189,10 @@ def evaluate(draft: PreTrainedModel, target: PreTrainedModel, held: list[Source]
         tails = [s[-seq_len:] for s in seqs if len(s)]
         part = [0.0, 0, 0]
         for i in range(0, len(tails), batch):
-            part = [a + b for a, b in zip(part, distill_batch(draft, target, *pad_batch(tails[i:i + batch]), False))]
+            part = [a + b for a, b in zip(part, distill_batch(draft, target, *pad_batch(tails[i:i + batch]), False),
+                                           strict=True)]
         by_source[name] = part[1] / max(part[2], 1)
-        total = [a + b for a, b in zip(total, part)]
+        total = [a + b for a, b in zip(total, part, strict=True)]
     return total[1] / max(total[2], 1), total[0] / max(total[2], 1), by_source, int(total[2])
 
 
@@ -307,7 +308,8 @@ def distill(config: DistillConfig, sources: list[Source], progress: bool = True)
     stream = WindowStream(per_source if config.mix == "balanced" else [sum(per_source, [])], config.seed)
     draft, state = _start(config, target, len(stream))
     target.to(config.device, getattr(torch, config.target_dtype))
-    draft.to(config.device, torch.float32)
+    # transformers wraps PreTrainedModel.to with functools.wraps, which type checkers take for an unbound method
+    draft.to(config.device, torch.float32)  # type: ignore[arg-type]
     for p in (*draft.get_input_embeddings().parameters(), *draft.get_output_embeddings().parameters()):
         p.requires_grad_(False)  # the target's own vocabulary vectors
     params = [p for p in draft.parameters() if p.requires_grad]

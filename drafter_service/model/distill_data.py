@@ -118,7 +118,7 @@ def split_requests(sources: list[Source], eval_requests: int, seed: int
         if not took:
             break
     names = [name for name, _ in sources]
-    return (list(zip(names, shuffled)), [(n, h) for n, h in zip(names, held) if h])
+    return (list(zip(names, shuffled, strict=True)), [(n, h) for n, h in zip(names, held, strict=True) if h])
 
 
 def windows(seqs: list[np.ndarray], seq_len: int) -> list[np.ndarray]:

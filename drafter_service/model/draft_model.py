@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from drafter_service.datasets.cache import atomic_output
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
     from transformers import PreTrainedModel
 
@@ -140,11 +141,12 @@ def build_draft_from_target(target: PreTrainedModel, num_layers: int,
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None):  # per-layer attention kinds (sliding / full) follow their layer
         config.layer_types = [config.layer_types[i] for i in layers]
-    draft = type(target)(config).to(device=target.device, dtype=target.dtype)
+    # transformers wraps PreTrainedModel.to with functools.wraps, which type checkers take for an unbound method
+    draft = type(target)(config).to(device=target.device, dtype=target.dtype)  # type: ignore[call-arg]
     body, draft_body = target.model, draft.model
     draft_body.embed_tokens.load_state_dict(body.embed_tokens.state_dict())
     draft_body.norm.load_state_dict(body.norm.state_dict())
-    for mine, theirs in zip(draft_body.layers, layers):
+    for mine, theirs in zip(draft_body.layers, layers, strict=True):
         mine.load_state_dict(body.layers[theirs].state_dict())
     if not getattr(config, "tie_word_embeddings", False):
         draft.get_output_embeddings().load_state_dict(target.get_output_embeddings().state_dict())
@@ -189,7 +191,7 @@ def load_draft_model(path: str | pathlib.Path, vocab_size: int | None = None, dt
         where = f"namespace {namespace!r}" if namespace else "the namespace"
         raise DraftModelError(f"draft model at {folder} predicts {vocab} tokens but {where} has vocab_size "
                               f"{vocab_size}")
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # PreTrainedModel.to: see build_draft_from_target
 
 
 def decode_step_ms(model: PreTrainedModel, context: int = 64, steps: int = 32, warmup: int = 4) -> float:
