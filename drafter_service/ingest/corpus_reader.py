@@ -189,7 +189,10 @@ class CorpusReader:
                 batch.nbytes += nbytes
                 if doc is not None:
                     batch.documents.append(doc)
-                    batch.chars += len(doc.text) if doc.text is not None else doc.tokens.size
+                    if doc.text is not None:
+                        batch.chars += len(doc.text)
+                    elif doc.tokens is not None:
+                        batch.chars += doc.tokens.size
                 if batch.chars >= self.options.batch_chars:
                     yield batch
                     batch = Batch()

@@ -252,7 +252,7 @@ class _Handler(BaseHTTPRequestHandler):
             query = parse_qs(url.query, keep_blank_values=True, strict_parsing=False)
             token, from_query = self._token(query)
             authorized = self.server.app.auth.allows(token)
-            if authorized and from_query and self.server.app.auth.required:
+            if authorized and from_query and token is not None and self.server.app.auth.required:
                 headers["Set-Cookie"] = f"{TOKEN_COOKIE}={quote(token, safe='')}; Path=/; HttpOnly; SameSite=Strict"
             status, payload, kind = self.server.app.route(url.path, query, authorized)
         except HttpError as exc:

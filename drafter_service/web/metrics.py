@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -90,15 +90,15 @@ class DrafterCollector(Collector):
 def _families(figures: list[tuple[str, dict]]) -> Iterator[Metric]:
     ns_label = ["namespace"]
     for key, name, doc in _COUNTERS:
-        family = CounterMetricFamily(name, doc, labels=ns_label)
+        counter = CounterMetricFamily(name, doc, labels=ns_label)
         for ns, stats in figures:
-            family.add_metric([ns], float(stats.get(key, 0)))
-        yield family
+            counter.add_metric([ns], float(stats.get(key, 0)))
+        yield counter
     for key, name, doc in _GAUGES:
-        family = GaugeMetricFamily(name, doc, labels=ns_label)
+        gauge = GaugeMetricFamily(name, doc, labels=ns_label)
         for ns, stats in figures:
-            family.add_metric([ns], float(stats.get(key, 0)))
-        yield family
+            gauge.add_metric([ns], float(stats.get(key, 0)))
+        yield gauge
     rate = GaugeMetricFamily("drafter_acceptance_rate", "Confirmed over drafted tokens since the start.",
                              labels=ns_label)
     healthy = GaugeMetricFamily("drafter_persistence_healthy", "1 when the namespace's Redis answers and its spool "
@@ -124,8 +124,9 @@ def _families(figures: list[tuple[str, dict]]) -> Iterator[Metric]:
 
 def _follower_families(service: DrafterService) -> Iterator[Metric]:
     """Log following of a replica that shares its Redis with others (nothing when it does not follow)."""
-    followers = [(name, ns.follower.stats()) for name, ns in list(service.namespaces.items())
-                 if ns.follower is not None]
+    followers: list[tuple[str, dict[str, Any]]] = [(name, ns.follower.stats())
+                                                   for name, ns in list(service.namespaces.items())
+                                                   if ns.follower is not None]
     if not followers:
         return
     info = GaugeMetricFamily("drafter_replica_info", "This replica's id (value 1).", labels=["replica"])
