@@ -105,7 +105,7 @@ class ReplayResult:
     def p99_us(self) -> float:
         return self.percentile_us(99)
 
-    def as_dict(self) -> dict[str, float | int | str]:
+    def as_dict(self) -> dict[str, float | int | str | None]:
         """Summary figures (no per-step data)."""
         return {"drafter": self.drafter, "dataset": self.dataset, "budget": self.budget,
                 "requests": self.requests, "steps": self.steps, "mat": round(self.mat, 4),
