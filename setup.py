@@ -4,7 +4,8 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("drafter_service.core._tree", ["drafter_service/core/_tree.c"], extra_compile_args=["-O3"], optional=True),
+        Extension("drafter_service.core._tree", ["drafter_service/core/_tree.c"], extra_compile_args=["-O3"],
+                  optional=True),
         Extension("store._kernels", ["store/_kernels.c"], extra_compile_args=["-O3"], optional=True),
         Extension("store._lru", ["store/_lru.c"], extra_compile_args=["-O3"], optional=True),
     ],

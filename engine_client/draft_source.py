@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -43,11 +45,20 @@ def trim_to_windows(cache: DynamicCache) -> None:
     cache.crop(0)
 
 
-def _check_layer(layer: Any) -> None:
+def _check_layer(layer: Any) -> DynamicLayer:
+    """``layer`` when it is a layer these functions handle; raises otherwise."""
     if not isinstance(layer, DynamicLayer):
         raise TypeError(f"unsupported cache layer {type(layer).__name__}; expected a DynamicLayer")
     if isinstance(layer, DynamicSlidingWindowLayer) and not getattr(layer, "record_past", False):
         raise ValueError("sliding-window cache layers must record their past (build the cache with new_cache)")
+    return layer
+
+
+def _tensors(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of an initialised layer."""
+    keys, values = layer.keys, layer.values
+    assert keys is not None and values is not None, "an initialised cache layer holds keys and values"
+    return keys, values
 
 
 @torch.inference_mode()
@@ -67,24 +78,25 @@ def keep_block_entries(cache: DynamicCache, block_len: int, keep: Sequence[int])
         ValueError: when ``keep`` is not strictly increasing within ``[0, block_len)``.
     """
     keep = list(keep)
-    if any(b <= a for a, b in zip(keep, keep[1:])) or (keep and not 0 <= keep[0] <= keep[-1] < block_len):
+    if any(b <= a for a, b in pairwise(keep)) or (keep and not 0 <= keep[0] <= keep[-1] < block_len):
         raise ValueError(f"keep {keep} must be strictly increasing indices in [0, {block_len})")
     a = len(keep)
     moved = keep != list(range(a))
     index: torch.Tensor | None = None  # (a,) int64
-    for layer in cache.layers:
-        _check_layer(layer)
+    for raw in cache.layers:
+        layer = _check_layer(raw)
         if not moved or not layer.is_initialized:
             continue
-        stored = layer.keys.shape[-2]
+        keys, values = _tensors(layer)
+        stored = keys.shape[-2]
         if stored < block_len:
             raise ValueError(f"cache layer holds {stored} tokens, fewer than the block of {block_len}")
         start = stored - block_len
-        if index is None or index.device != layer.keys.device:
-            index = torch.tensor(keep, dtype=torch.long, device=layer.keys.device)
+        if index is None or index.device != keys.device:
+            index = torch.tensor(keep, dtype=torch.long, device=keys.device)
         # keys/values: (batch, kv_heads, seq, head_dim); gather copies before the overlapping write.
-        layer.keys[:, :, start:start + a] = layer.keys[:, :, start + index]
-        layer.values[:, :, start:start + a] = layer.values[:, :, start + index]
+        keys[:, :, start:start + a] = keys[:, :, start + index]
+        values[:, :, start:start + a] = values[:, :, start + index]
     cache.crop(-(block_len - a))
 
 
@@ -94,13 +106,14 @@ def check_invariants(cache: DynamicCache, prefix_len: int) -> None:
     Full layers hold ``prefix_len`` keys and values; sliding-window layers hold the last
     ``min(prefix_len, sliding_window - 1)`` and count ``prefix_len`` tokens seen.
     """
-    for i, layer in enumerate(cache.layers):
-        _check_layer(layer)
+    for i, raw in enumerate(cache.layers):
+        layer = _check_layer(raw)
         if not layer.is_initialized:
             assert prefix_len == 0, f"layer {i} is empty after {prefix_len} tokens"
             continue
-        stored = layer.keys.shape[-2]
-        assert layer.values.shape[-2] == stored, f"layer {i} keys and values differ in length"
+        keys, values = _tensors(layer)
+        stored = keys.shape[-2]
+        assert values.shape[-2] == stored, f"layer {i} keys and values differ in length"
         if isinstance(layer, DynamicSlidingWindowLayer):
             want = min(prefix_len, layer.sliding_window - 1)
             assert layer.cumulative_length == prefix_len, f"layer {i} counts {layer.cumulative_length} tokens"

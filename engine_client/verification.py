@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -61,7 +62,7 @@ def greedy_verify(logits: torch.Tensor, token_ids: Sequence[int], parents: Seque
     target: list[int] = logits.max(dim=-1).indices.tolist()  # (n+1,) best token after root/each node
     # First child per (parent, token); a later duplicate sibling could never be reached.
     kids: dict[tuple[int, int], int] = {}
-    for i, (tok, p) in enumerate(zip(token_ids, parents)):
+    for i, (tok, p) in enumerate(zip(token_ids, parents, strict=True)):
         kids.setdefault((p, tok), i)
     accepted: list[int] = []
     node = -1

@@ -68,10 +68,10 @@ def _die_with_parent(parent_pid: int):
 
 
 _launcher_lock = threading.Lock()
-_launcher_queue: "queue.SimpleQueue | None" = None
+_launcher_queue: queue.SimpleQueue | None = None
 
 
-def _launch_loop(requests: "queue.SimpleQueue") -> None:
+def _launch_loop(requests: queue.SimpleQueue) -> None:
     while True:
         args, kwargs, done = requests.get()
         try:
@@ -182,7 +182,7 @@ class EmbeddedRedis:
         except OSError:
             return ""
 
-    def start(self) -> "EmbeddedRedis":
+    def start(self) -> EmbeddedRedis:
         """Launch the server and wait until it answers PING.
 
         With port 0 a free port is picked; if another process takes it first, another is tried.
@@ -197,10 +197,11 @@ class EmbeddedRedis:
         attempts = 3 if self.requested_port == 0 else 1
         for attempt in range(attempts):
             port = self.requested_port or free_port(self.host)
-            if self._launch(port):
+            process = self._launch(port)
+            if process is not None:
                 self.port = port
                 logger.info("embedded valkey-server (pid %d) serves %s with data in %s",
-                            self.process.pid, self.url, self.data_dir)
+                            process.pid, self.url, self.data_dir)
                 return self
             if attempt + 1 < attempts and "Address already in use" in self.log_tail(5):
                 continue
@@ -209,24 +210,25 @@ class EmbeddedRedis:
             f"valkey-server did not start on {self.host}:{port} within {self.startup_timeout:g} s "
             f"(data dir {self.data_dir}); end of {self.log_path}:\n{self.log_tail()}")
 
-    def _launch(self, port: int) -> bool:
+    def _launch(self, port: int) -> subprocess.Popen | None:
+        """Start the server on ``port``; the process once it answers, None (and no process) when it did not."""
         preexec = _die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None
-        self.process = _popen_from_lasting_thread(
+        process = self.process = _popen_from_lasting_thread(
             self._command(port), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, cwd=self.data_dir, preexec_fn=preexec, start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+            if process.poll() is not None:
                 break
             answer = _ping(self.host, port)
             if answer == "pong":
-                return True
+                return process
             if answer == "loading":  # a large data set is being read: progress, not a hang
                 deadline = max(deadline, time.monotonic() + 1.0)
             time.sleep(0.02)
         self._terminate(timeout=2.0)
         self.process = None
-        return False
+        return None
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server (SIGTERM: it flushes the append-only file and exits); SIGKILL after ``timeout``."""
@@ -258,7 +260,7 @@ class EmbeddedRedis:
                 proc.wait()
         return proc.returncode
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:

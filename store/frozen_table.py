@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import pathlib
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,7 @@ class FrozenNGramTable:
     """
 
     def __init__(self, leader_len: int, follower_len: int,
-                 entries: "dict[Follower, list[tuple[Follower, int]]] | None" = None) -> None:
+                 entries: dict[Follower, list[tuple[Follower, int]]] | None = None) -> None:
         """Wrap prepared entries (leader -> followers with counts); ``from_arrays`` is the direct way."""
         self.leader_len = int(leader_len)
         self.follower_len = int(follower_len)
@@ -47,7 +48,7 @@ class FrozenNGramTable:
 
     @classmethod
     def from_arrays(cls, leader_len: int, follower_len: int, leaders: np.ndarray, fanout: np.ndarray,
-                    followers: np.ndarray, counts: np.ndarray) -> "FrozenNGramTable":
+                    followers: np.ndarray, counts: np.ndarray) -> FrozenNGramTable:
         """A table from CSR arrays (as ``arrays()`` returns them).
 
         Args:
@@ -144,15 +145,17 @@ class FrozenNGramTable:
             return int(self._row_of[tok]) if 0 <= tok < self._row_of.size else -1
         if min(leader) < 0 or max(leader) >= 1 << 31:
             return -1
+        keys, key_rows = self._keys, self._key_rows
+        assert keys is not None and key_rows is not None  # _build_index sets them when there is no _row_of
         key = self._leader_keys(np.array(leader, dtype=np.int64))
-        at = int(np.searchsorted(self._keys, key[0]))
-        return int(self._key_rows[at]) if at < self._keys.size and self._keys[at] == key[0] else -1
+        at = int(np.searchsorted(keys, key[0]))
+        return int(key_rows[at]) if at < keys.size and keys[at] == key[0] else -1
 
     def _decode(self, row: int, limit: int) -> list[tuple[Follower, int]]:
         start, stop = self._offsets[row:row + 2].tolist()
         stop = min(stop, start + limit)
         ids = iter(self._followers[start:stop].ravel().tolist())
-        return list(zip(zip(*[ids] * self.follower_len), self._counts[start:stop].tolist()))
+        return list(zip(zip(*[ids] * self.follower_len, strict=True), self._counts[start:stop].tolist(), strict=True))
 
     def __len__(self) -> int:
         return int(self._leaders.shape[0])
@@ -209,7 +212,7 @@ class FrozenNGramTable:
     @property
     def nbytes(self) -> int:
         """Bytes held by the arrays and the leader index."""
-        parts = [self._leaders, self._fanout, self._offsets, self._followers, self._counts,
+        parts: list[np.ndarray | None] = [self._leaders, self._fanout, self._offsets, self._followers, self._counts,
                  self._row_of, self._keys, self._key_rows]
         return sum(p.nbytes for p in parts if p is not None)
 
@@ -231,8 +234,9 @@ class FrozenNGramTable:
 
 def save_npz(path: str | pathlib.Path, table: FrozenNGramTable, source: str = "") -> None:
     """Write ``table`` (and a description of its corpus) to an .npz file."""
-    np.savez(path, leader_len=np.int64(table.leader_len), follower_len=np.int64(table.follower_len),
-             source=np.array(source), **table.arrays())
+    fields: dict[str, Any] = {"leader_len": np.int64(table.leader_len), "follower_len": np.int64(table.follower_len),
+                              "source": np.array(source), **table.arrays()}
+    np.savez(path, **fields)  # Any values: mypy would match the arrays against savez's allow_pickle too
 
 
 def load_npz(path: str | pathlib.Path) -> tuple[FrozenNGramTable, str]:

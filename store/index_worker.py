@@ -30,12 +30,14 @@ def _serve() -> None:
             name, n_text = line.split()
             n = int(n_text)
             shm = SharedMemory(name=name)
-            resource_tracker.unregister(shm._name, "shared_memory")  # the parent owns and unlinks it
+            # the parent owns and unlinks it (SharedMemory._name, untyped: the name the tracker registered)
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
             snapshot = np.ndarray((n,), dtype=np.int32, buffer=shm.buf).copy()
             shm.close()
             sa, keys, bits, per_key = build_arrays(snapshot)
             out = SharedMemory(create=True, size=max(1, n * 12))
-            resource_tracker.unregister(out._name, "shared_memory")  # handed over: the parent unlinks it
+            # handed over: the parent unlinks it
+            resource_tracker.unregister(out._name, "shared_memory")  # type: ignore[attr-defined]
             np.ndarray((n,), dtype=np.int32, buffer=out.buf)[:] = sa
             np.ndarray((n,), dtype=np.uint64, buffer=out.buf, offset=n * 4)[:] = keys
             out.close()
@@ -58,6 +60,7 @@ def _adopt(name: str, size: int) -> mmap.mmap | bytes:
         return mem
     shm = SharedMemory(name=name)
     try:
+        assert shm.buf is not None  # None only once closed
         return bytes(shm.buf[:size])
     finally:
         shm.close()
@@ -112,7 +115,8 @@ class IndexWorker:
         """Stop the child process."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
-            proc.stdin.close()
+            if proc.stdin is not None:
+                proc.stdin.close()
             try:
                 proc.wait(5)
             except subprocess.TimeoutExpired:

@@ -14,7 +14,9 @@ CHUNK = 8
 """Tokens compared per vectorised step when extending matches."""
 
 try:
-    from store import _kernels as _compiled
+    from store import _kernels
+
+    _compiled: ModuleType | None = _kernels
 except ImportError:  # the extension is optional: numpy below is the reference and the fallback
     _compiled = None
     logger.debug("store._kernels is not built; lookups use numpy")

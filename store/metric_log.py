@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import TYPE_CHECKING, cast
 
 import redis
 
+from store.redis_common import StreamEntry
 from store.redis_common import redis_errors as _redis_errors
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT, FieldT
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +24,7 @@ METRICS_HISTORY = 7 * 24 * 3600 // 5
 class MetricLog:
     """The metric-point part of ``RedisPersistence`` (which sets ``client``, ``metrics_key``, ``metrics_history``)."""
 
-    client: "redis.Redis"
+    client: redis.Redis
     metrics_key: str
     metrics_history: int
 
@@ -38,14 +43,14 @@ class MetricLog:
             PersistenceUnavailable: the server cannot be reached or failed the command.
         """
         t_ms = int(point.get("t") or time.time() * 1000)
-        fields = {"p": json.dumps(point, separators=(",", ":"), allow_nan=False)}
+        fields: dict[FieldT, EncodableT] = {"p": json.dumps(point, separators=(",", ":"), allow_nan=False)}
         with _redis_errors("append a metric point"):
             try:
                 sid = self.client.xadd(self.metrics_key, fields, id=f"{t_ms}-*", maxlen=self.metrics_history,
                                        approximate=True)
             except redis.ResponseError:  # a later id exists, or a server before Redis 7 (no "<ms>-*")
                 sid = self.client.xadd(self.metrics_key, fields, maxlen=self.metrics_history, approximate=True)
-        return int(sid.split(b"-")[0])
+        return int(cast(bytes, sid).split(b"-")[0])
 
     def read_metric_points(self, since_ms: int = 0, limit: int = 10000) -> list[dict]:
         """The newest ``limit`` metric points stored after time ``since_ms`` (exclusive), oldest first.
@@ -58,7 +63,8 @@ class MetricLog:
         if limit < 1:
             return []
         with _redis_errors("read metric points"):
-            entries = self.client.xrevrange(self.metrics_key, "+", f"{max(0, int(since_ms)) + 1}", count=limit)
+            entries = cast("list[StreamEntry]", self.client.xrevrange(self.metrics_key, "+",
+                                                                      f"{max(0, int(since_ms)) + 1}", count=limit))
         points = []
         for sid, fields in reversed(entries):
             try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from store.frozen_table import FrozenNGramTable  # noqa: F401  (re-exported: frozen tables live there)
 
@@ -139,7 +140,9 @@ class PyLRUNGramTable:
 
 
 try:
-    from store._lru import LRUTable as NativeLRUTable
+    from store._lru import LRUTable as _LRUTable
+
+    NativeLRUTable: type[_LRUTable] | None = _LRUTable
 except ImportError:  # not built
     NativeLRUTable = None
     logger.debug("store._lru is not built; the dynamic table is pure Python")

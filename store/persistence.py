@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import redis
 
 from store.metric_log import METRICS_HISTORY, MetricLog
-from store.redis_common import FORMAT_VERSION, NAME_PATTERN, PersistenceError, PersistenceUnavailable, validate_name
+from store.redis_common import (
+    FORMAT_VERSION,
+    NAME_PATTERN,
+    PersistenceError,
+    PersistenceUnavailable,
+    StreamEntry,
+    validate_name,
+)
 from store.redis_common import redis_errors as _redis_errors
 from store.request_log import (
     APPEND_LUA,
@@ -22,6 +30,9 @@ from store.request_log import (
     record_from_entry,
 )
 from store.snapshots import SnapshotStore
+
+if TYPE_CHECKING:
+    from redis.typing import KeyT, StreamIdT
 
 __all__ = ["FORMAT_VERSION", "METRICS_HISTORY", "NAME_PATTERN", "PersistenceError", "PersistenceUnavailable",
            "RedisPersistence", "RequestRecord", "validate_name"]
@@ -61,7 +72,7 @@ class RedisPersistence(SnapshotStore, MetricLog):
     Token ids are validated before anything is written, so a rejected call changes nothing.
     """
 
-    def __init__(self, client_or_url: "redis.Redis | str", namespace: str, vocab_size: int | None = None,
+    def __init__(self, client_or_url: redis.Redis | str, namespace: str, vocab_size: int | None = None,
                  durable: bool = True, fsync_timeout_ms: int = 5000,
                  metrics_history: int = METRICS_HISTORY) -> None:
         """Connect and check (or record) the namespace's layout version and vocabulary size.
@@ -110,7 +121,7 @@ class RedisPersistence(SnapshotStore, MetricLog):
     # -- layout checks -------------------------------------------------------------------------------------
 
     def _check_format(self) -> None:
-        owner = self.client.hget(_FORMATS_KEY, self.namespace)
+        owner = cast("bytes | None", self.client.hget(_FORMATS_KEY, self.namespace))
         if owner is not None and owner != str(FORMAT_VERSION).encode():
             raise PersistenceError(f"namespace {self.namespace!r} is stored in layout version {owner.decode()}; "
                                    f"this version reads layout {FORMAT_VERSION} only")
@@ -189,14 +200,16 @@ class RedisPersistence(SnapshotStore, MetricLog):
         """
         if prompt_lens is not None and len(prompt_lens) != len(docs):
             raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(docs)} requests")
-        args: list[bytes | str] = ["1" if skip_duplicates else "0"]
+        mode = "1" if skip_duplicates else "0"
         keys = [self.stream_key, self.meta_key, self.seen_key]
         if writer is not None:
-            args[0] += f":{int(writer[1])}:{WRITER_TTL_MS}"
+            mode += f":{int(writer[1])}:{WRITER_TTL_MS}"
             keys.append(self._writer_key(writer[0]))
+        args: list[bytes | str] = [mode]
         for i, (tokens, request_id) in enumerate(docs):
             blob = self._tokens(tokens)
-            plen = None if prompt_lens is None or prompt_lens[i] is None else int(prompt_lens[i])
+            given = None if prompt_lens is None else prompt_lens[i]
+            plen = None if given is None else int(given)
             if plen is not None and not 0 <= plen <= len(blob) // 4:
                 raise ValueError(f"request {i}: prompt length {plen} outside [0, {len(blob) // 4}]")
             id_key, hash_key = duplicate_keys(blob, plen, request_id)
@@ -237,7 +250,7 @@ class RedisPersistence(SnapshotStore, MetricLog):
         cursor = after
         while True:
             with _redis_errors("read requests"):
-                entries = self.client.xrange(self.stream_key, f"({cursor}", "+", count=batch)
+                entries = cast("list[StreamEntry]", self.client.xrange(self.stream_key, f"({cursor}", "+", count=batch))
             for sid, fields in entries:
                 rid = fields.get(b"r")
                 yield (sid.decode(), np.frombuffer(fields[b"t"], dtype="<i4").astype(np.int32),
@@ -251,7 +264,7 @@ class RedisPersistence(SnapshotStore, MetricLog):
         cursor = after
         while True:
             with _redis_errors("read requests"):
-                entries = self.client.xrange(self.stream_key, f"({cursor}", "+", count=batch)
+                entries = cast("list[StreamEntry]", self.client.xrange(self.stream_key, f"({cursor}", "+", count=batch))
             for sid, fields in entries:
                 yield record_from_entry(sid, fields)
             if len(entries) < batch:
@@ -277,16 +290,16 @@ class RedisPersistence(SnapshotStore, MetricLog):
         Raises:
             PersistenceUnavailable: the server cannot be reached.
         """
-        streams = {self.stream_key: after}
+        streams: dict[KeyT, StreamIdT] = {self.stream_key: after}
         if events_after is not None:
             streams[self.events_key] = events_after
         with _redis_errors("read the request log"):
-            reply = self.client.xread(streams, count=count, block=int(block_ms) if block_ms > 0 else None)
+            reply = cast("dict[bytes, list[StreamEntry]] | list[tuple[bytes, list[StreamEntry]]] | None",
+                         self.client.xread(streams, count=count, block=int(block_ms) if block_ms > 0 else None))
         records: list[RequestRecord] = []
         events: list[tuple[str, dict[str, str]]] = []
         for key, entries in (reply.items() if isinstance(reply, dict) else reply or ()):
-            key = key.decode() if isinstance(key, bytes) else key
-            if key == self.stream_key:
+            if (key.decode() if isinstance(key, bytes) else key) == self.stream_key:
                 records.extend(record_from_entry(sid, fields) for sid, fields in entries)
             else:
                 events.extend((sid.decode(), {k.decode(): v.decode() for k, v in fields.items()})
@@ -301,13 +314,13 @@ class RedisPersistence(SnapshotStore, MetricLog):
     def read_requests_range(self, after: str, until: str) -> list[RequestRecord]:
         """Every request logged after stream id ``after`` and up to ``until`` (inclusive), oldest first."""
         with _redis_errors("read requests"):
-            entries = self.client.xrange(self.stream_key, f"({after}", until)
+            entries = cast("list[StreamEntry]", self.client.xrange(self.stream_key, f"({after}", until))
         return [record_from_entry(sid, fields) for sid, fields in entries]
 
     def last_event_id(self) -> str:
         """Id of the newest event ("0-0" when none)."""
         with _redis_errors("read the event position"):
-            newest = self.client.xrevrange(self.events_key, "+", "-", count=1)
+            newest = cast("list[StreamEntry]", self.client.xrevrange(self.events_key, "+", "-", count=1))
         return newest[0][0].decode() if newest else "0-0"
 
     def _writer_key(self, writer_id: str) -> str:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import redis
 
@@ -13,6 +13,14 @@ FORMAT_VERSION = 1
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 """Namespaces and frozen-table names."""
+
+
+StreamEntry = tuple[bytes, dict[bytes, bytes]]
+"""One stream entry as XRANGE, XREVRANGE and XREAD give it: (entry id, {field: value}).
+
+redis-py types every reply as ``bytes | str`` because it cannot tell whether a client decodes responses; the
+clients here never do (``RedisPersistence`` refuses one that does), so replies read as bytes are cast to this form.
+"""
 
 
 class PersistenceError(RuntimeError):

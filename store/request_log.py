@@ -129,7 +129,7 @@ class SeenKeys:
                skip_duplicates: bool = False) -> list[str | None]:
         """Record ``docs``; returns an id per request, None for each duplicate left out."""
         out: list[str | None] = []
-        for (tokens, request_id), plen in zip(docs, prompt_lens):
+        for (tokens, request_id), plen in zip(docs, prompt_lens, strict=True):
             id_key, hash_key = duplicate_keys(np.asarray(tokens, dtype="<i4").tobytes(), plen, request_id)
             if skip_duplicates and (hash_key in self._keys or (id_key and id_key in self._keys)):
                 out.append(None)

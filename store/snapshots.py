@@ -6,7 +6,8 @@ import json
 import logging
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 import redis
@@ -27,7 +28,7 @@ class SnapshotStore:
     """The snapshot part of ``RedisPersistence`` (which sets ``client``, ``prefix``, ``namespace``,
     ``vocab_size``, ``table_key``, ``model_key`` and ``frozen_set_key``)."""
 
-    client: "redis.Redis"
+    client: redis.Redis
     prefix: str
     namespace: str
     vocab_size: int | None
@@ -39,7 +40,7 @@ class SnapshotStore:
     # -- blobs -----------------------------------------------------------------------------------------------
 
     def _write_blobs(self, key: str, header: dict, arrays: dict[str, np.ndarray],
-                     extra: Callable[["redis.client.Pipeline"], object] | None = None) -> None:
+                     extra: Callable[[redis.client.Pipeline], object] | None = None) -> None:
         """Write ``arrays`` (chunked) and ``header`` to a temporary key, then rename it onto ``key``.
 
         ``extra`` adds commands to the transaction that renames, so they take effect together.
@@ -77,7 +78,7 @@ class SnapshotStore:
 
     def _read_blobs(self, key: str) -> tuple[dict, dict[str, np.ndarray]] | None:
         with _redis_errors(f"read {key}"):
-            fields = self.client.hgetall(key)
+            fields = cast("dict[bytes, bytes]", self.client.hgetall(key))  # see redis_common.StreamEntry
         if not fields:
             return None
         try:
@@ -130,7 +131,7 @@ class SnapshotStore:
     def _frozen_key(self, name: str) -> str:
         return f"{self.prefix}frozen:{validate_name(name, 'frozen table name')}"
 
-    def save_frozen(self, name: str, entries: "Items | dict") -> None:
+    def save_frozen(self, name: str, entries: Items | dict) -> None:
         """Store (or replace) a frozen table: leader -> [(follower, count), ...] in the table's order."""
         key = self._frozen_key(name)
         header, arrays = encode_items(entries.items() if isinstance(entries, dict) else entries,
@@ -152,7 +153,7 @@ class SnapshotStore:
     def list_frozen(self) -> list[str]:
         """Names of the stored frozen tables, sorted."""
         with _redis_errors("list frozen tables"):
-            return sorted(n.decode() for n in self.client.smembers(self.frozen_set_key))
+            return sorted(n.decode() for n in cast("set[bytes]", self.client.smembers(self.frozen_set_key)))
 
     def delete_frozen(self, name: str) -> bool:
         """Delete frozen table ``name``; False when there was none."""
@@ -163,7 +164,7 @@ class SnapshotStore:
             self._frozen_changed(tx, name, "remove")
             return bool(tx.execute()[0])
 
-    def _frozen_changed(self, tx: "redis.client.Pipeline", name: str, op: str) -> None:
+    def _frozen_changed(self, tx: redis.client.Pipeline, name: str, op: str) -> None:
         """Add to ``tx``: the table's entry in the set of names, and the event that tells other replicas."""
         if op == "put":
             tx.sadd(self.frozen_set_key, name)
@@ -243,4 +244,4 @@ class SnapshotStore:
         if found is None:
             return {}
         arrays = found[1]
-        return {k: (a, t) for k, (a, t) in zip(arrays["keys"].tolist(), arrays["values"].tolist())}
+        return {k: (a, t) for k, (a, t) in zip(arrays["keys"].tolist(), arrays["values"].tolist(), strict=True)}

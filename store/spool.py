@@ -9,9 +9,9 @@ import struct
 import threading
 import uuid
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -124,7 +124,7 @@ class Spool:
     # -- opening ----------------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, path: Path | str, writer_id: str, store_id: str, max_bytes: int = 0) -> "Spool":
+    def create(cls, path: Path | str, writer_id: str, store_id: str, max_bytes: int = 0) -> Spool:
         """Create a new, empty spool file (it must not exist), lock it and make it durable with its folder.
 
         Raises:
@@ -149,7 +149,7 @@ class Spool:
         return cls(path, fd, writer_id, store_id, max_bytes, HEADER_BYTES, 0)
 
     @classmethod
-    def open(cls, path: Path | str, max_bytes: int = 0) -> "Spool":
+    def open(cls, path: Path | str, max_bytes: int = 0) -> Spool:
         """Open and lock an existing spool file, dropping a torn last record.
 
         Raises:

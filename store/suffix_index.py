@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pydivsufsort
 
 from store import match_kernels
 from store.match_kernels import extend_matches, pack_pattern
+
+if TYPE_CHECKING:
+    from store._kernels import Index
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ class SuffixIndex:
         self.build_seconds = time.perf_counter() - t0
         logger.debug("suffix index over %d tokens built in %.3f s", len(self), self.build_seconds)
 
-    def _native_index(self) -> object | None:
+    def _native_index(self) -> Index | None:
         if match_kernels.compiled is None:
             return None
         try:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -53,7 +53,7 @@ def encode_items(items: Items, vocab_limit: int) -> tuple[dict, dict[str, np.nda
                 n += 1
             fanout.append(n)
     ll, fl = ll or 0, fl or 0
-    arrays = {
+    arrays: dict[str, np.ndarray] = {
         "leaders": np.array(leaders, dtype=np.int64).reshape(len(fanout), ll),  # (L, LL) token ids
         "fanout": np.array(fanout, dtype=np.int32),  # (L,) followers of each leader
         "followers": np.array(followers, dtype=np.int64).reshape(len(counts), fl),  # (F, FL) token ids
@@ -72,10 +72,10 @@ def decode_items(arrays: dict[str, np.ndarray]) -> list[tuple[tuple[int, ...], l
     """The (leader, [(follower, count), ...]) pairs of ``encode_items``'s arrays, in order."""
     with gc_paused():
         leaders = list(map(tuple, arrays["leaders"].tolist()))
-        followers = list(zip(map(tuple, arrays["followers"].tolist()), arrays["counts"].tolist()))
+        followers = list(zip(map(tuple, arrays["followers"].tolist()), arrays["counts"].tolist(), strict=True))
         stops = np.cumsum(arrays["fanout"], dtype=np.int64).tolist()
         out, start = [], 0
-        for lead, stop in zip(leaders, stops):
+        for lead, stop in zip(leaders, stops, strict=True):
             out.append((lead, followers[start:stop]))
             start = stop
     return out

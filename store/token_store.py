@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,6 +14,9 @@ from store import match_kernels
 from store.match_kernels import continuations, scan_matches
 from store.ring_buffer import RingBuffer
 from store.suffix_index import SuffixIndex
+
+if TYPE_CHECKING:
+    from store._kernels import Index
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,7 @@ EMPTY = Continuations(0, np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.
 class _Indexes:
     main: SuffixIndex | None
     delta: SuffixIndex | None
+    native: tuple[Index | None, ...] | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # (delta, main) handles for the C kernels; None when an index has none (numpy lookups then)

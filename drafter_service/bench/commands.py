@@ -8,7 +8,7 @@ import logging
 import pathlib
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from tqdm import tqdm

@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 

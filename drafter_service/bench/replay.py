@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,7 +31,7 @@ class CoreDrafter:
     """
 
     def __init__(self, config: DrafterConfig | None = None, name: str = "drafter",
-                 draft_model: "DraftModelDrafts | None" = None) -> None:
+                 draft_model: DraftModelDrafts | None = None) -> None:
         self.name = name
         self.core = Drafter(config, draft_model)
         self.untimed_ns = 0  # waiting for the draft model, taken out of the latency figures
@@ -104,7 +105,7 @@ class ReplayResult:
     def p99_us(self) -> float:
         return self.percentile_us(99)
 
-    def as_dict(self) -> dict[str, float | int | str]:
+    def as_dict(self) -> dict[str, float | int | str | None]:
         """Summary figures (no per-step data)."""
         return {"drafter": self.drafter, "dataset": self.dataset, "budget": self.budget,
                 "requests": self.requests, "steps": self.steps, "mat": round(self.mat, 4),

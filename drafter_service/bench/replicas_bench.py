@@ -46,7 +46,7 @@ def has_chain(reply: pb.DraftResponse, tokens: list[int]) -> bool:
     """Whether the draft holds ``tokens`` as a path from its root."""
     parent = -1
     for token in tokens:
-        for i, (t, p) in enumerate(zip(reply.token_ids, reply.parents)):
+        for i, (t, p) in enumerate(zip(reply.token_ids, reply.parents, strict=True)):
             if t == token and p == parent:
                 parent = i
                 break

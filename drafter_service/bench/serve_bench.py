@@ -12,8 +12,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -93,7 +93,8 @@ class ServiceProcess:
 def _steps(req: Request, budget: int, draft: Callable[[list[int]], pb.DraftResponse]) -> Iterator[float]:
     """Replay one request through ``draft`` with greedy acceptance; yields each call's latency in µs."""
     out = req.output.tolist()
-    pos, accepted = 0, []
+    pos = 0
+    accepted: list[int] = []
     while pos < len(out):
         t0 = time.perf_counter_ns()
         reply = draft(accepted)
@@ -175,6 +176,7 @@ def _echo_floor(reqs: list[Request], budget: int) -> tuple[list[float], list[flo
     proc = subprocess.Popen([sys.executable, "-m", "drafter_service.bench.echo_server", address],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
+        assert proc.stdout is not None  # stdout=PIPE
         proc.stdout.readline()
         unary: list[float] = []
         streamed: list[float] = []
@@ -208,7 +210,8 @@ async def _throughput(address: str, held: list[Request], streams: int, seconds: 
                 await stub.StartSession(pb.StartSessionRequest(session_id=sid, prompt=req.prompt.tolist(),
                                                                max_nodes=budget))
                 call = stub.DraftStream()
-                out, pos, accepted = req.output.tolist(), 0, []
+                out, pos = req.output.tolist(), 0
+                accepted: list[int] = []
                 while pos < len(out) and time.monotonic() < stop_at:
                     await call.write(pb.DraftRequest(session_id=sid, accepted=accepted))
                     await call.read()
@@ -259,7 +262,8 @@ def _measure(svc: ServiceProcess, args: argparse.Namespace, held: list[Request],
         _session(stub, f"r{k}", held[100 + k % 200], args.budget, True, during)
         k += 1
     print(f"idle:                         {_pct(idle)}")
-    print(f"during background rebuilds:   {_pct(during)}  ratio p99 {np.percentile(during, 99) / np.percentile(idle, 99):.2f}")
+    ratio = np.percentile(during, 99) / np.percentile(idle, 99)
+    print(f"during background rebuilds:   {_pct(during)}  ratio p99 {ratio:.2f}")
     channel.close()
 
     total = stub_tokens = 0

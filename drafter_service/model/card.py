@@ -11,12 +11,16 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
 from drafter_service.core.config import CardSettings, DraftModelSpec
 from drafter_service.model.card_cache import CachedNode, CandidateCache
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +102,7 @@ class CardSession:
             logger.exception("draft model worker %s failed", self._thread.name)
             self.failed = True
 
-    def correct(self, accepted: Sequence[int]) -> bool | None:
+    def correct(self, accepted: Sequence[int] | np.ndarray) -> bool | None:
         """Score the last draft, then move the cache to the verified prefix and wake the worker.
 
         Returns:
@@ -110,7 +114,7 @@ class CardSession:
         self._wake.set()
         return hit
 
-    def _score(self, accepted: Sequence[int]) -> bool | None:
+    def _score(self, accepted: Sequence[int] | np.ndarray) -> bool | None:
         nodes, self._last = self._last, []
         if not nodes:
             return None
@@ -215,7 +219,7 @@ class DraftModelDrafts:
         with self._lock:
             self._head = head
 
-    def open(self, prompt: Sequence[int], name: str = "card") -> CardSession | None:
+    def open(self, prompt: Sequence[int] | np.ndarray, name: str = "card") -> CardSession | None:
         """A session for a request with ``prompt``; None when ``max_sessions`` are open."""
         s = self.settings
         with self._lock:

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +145,7 @@ class CandidateCache:
 
     # -- correction -------------------------------------------------------------------------------------
 
-    def correct(self, accepted: Sequence[int]) -> None:
+    def correct(self, accepted: Sequence[int] | np.ndarray) -> None:
         """Move the root down along the tokens the target appended since the last call.
 
         Args:
@@ -194,7 +198,7 @@ class CandidateCache:
             if tok not in self._kids[node]:
                 self._alive.add(self._add(tok, node, self._pos[node] + 1, base * p, p))
 
-    def _walk_query_root(self, accepted: Sequence[int]) -> None:
+    def _walk_query_root(self, accepted: Sequence[int] | np.ndarray) -> None:
         node = self._query_root
         for tok in accepted:
             if self._lost:
@@ -251,7 +255,7 @@ class CandidateCache:
             owners_ok = set(self._ctx)
         self._compact(keep)
         past = len(self._owners)
-        if kind == "prefill":
+        if visible is None:  # a prefill
             mask = self._causal_mask(past, len(tokens))
         else:
             mask = self._tree_mask(visible, owners_ok)
@@ -284,15 +288,15 @@ class CandidateCache:
             else:
                 self._owners.extend(nodes)
             candidates: list[tuple[float, int, int, float]] = []  # (path prob, parent, token, prob)
-            for nid, row_p, row_t in zip(nodes, probs, toks):
+            for nid, row_p, row_t in zip(nodes, probs, toks, strict=True):
                 self._done[nid] = True
-                self._cands[nid] = list(zip(row_t, row_p))
+                self._cands[nid] = list(zip(row_t, row_p, strict=True))
                 if nid not in self._alive:
                     continue  # pruned by a correction during the pass
                 if nid in self._ctx and nid != self._root:
                     continue  # verified since: its other children are already ruled out
                 base = self._cum[nid]
-                candidates.extend((base * p, nid, t, p) for p, t in zip(row_p, row_t) if p > 0.0)
+                candidates.extend((base * p, nid, t, p) for p, t in zip(row_p, row_t, strict=True) if p > 0.0)
             candidates.sort(key=lambda c: -c[0])
             added = 0
             for cum, parent, tok, p in candidates[:self.width]:

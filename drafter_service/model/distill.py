@@ -15,8 +15,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from drafter_service.datasets.loaders import DATASET_NAMES
 from drafter_service.model.distill_data import (
@@ -134,7 +135,7 @@ class DistillResult:
 # -- training ------------------------------------------------------------------------------------------------
 
 
-def distill_batch(draft: "PreTrainedModel", target: "PreTrainedModel", ids: "torch.Tensor", mask: "torch.Tensor",
+def distill_batch(draft: PreTrainedModel, target: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor,
                   train: bool = True, autocast: bool = False) -> tuple[float, int, int]:
     """KL(target || draft) over the real positions of a batch; with ``train`` also the draft's gradients.
 
@@ -175,7 +176,7 @@ def distill_batch(draft: "PreTrainedModel", target: "PreTrainedModel", ids: "tor
     return kl_sum, agree, n
 
 
-def evaluate(draft: "PreTrainedModel", target: "PreTrainedModel", held: list[Source], seq_len: int, batch: int
+def evaluate(draft: PreTrainedModel, target: PreTrainedModel, held: list[Source], seq_len: int, batch: int
              ) -> tuple[float, float, dict[str, float], int]:
     """Top-1 agreement and mean KL on the last ``seq_len`` tokens of every held-out request.
 
@@ -188,9 +189,10 @@ def evaluate(draft: "PreTrainedModel", target: "PreTrainedModel", held: list[Sou
         tails = [s[-seq_len:] for s in seqs if len(s)]
         part = [0.0, 0, 0]
         for i in range(0, len(tails), batch):
-            part = [a + b for a, b in zip(part, distill_batch(draft, target, *pad_batch(tails[i:i + batch]), False))]
+            part = [a + b for a, b in zip(part, distill_batch(draft, target, *pad_batch(tails[i:i + batch]), False),
+                                           strict=True)]
         by_source[name] = part[1] / max(part[2], 1)
-        total = [a + b for a, b in zip(total, part)]
+        total = [a + b for a, b in zip(total, part, strict=True)]
     return total[1] / max(total[2], 1), total[0] / max(total[2], 1), by_source, int(total[2])
 
 
@@ -202,7 +204,7 @@ def lr_factor(step: int, config: DistillConfig) -> float:
     return warm * (0.1 + 0.45 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps)))
 
 
-def save_checkpoint(out: pathlib.Path, draft: "PreTrainedModel", state: dict) -> None:
+def save_checkpoint(out: pathlib.Path, draft: PreTrainedModel, state: dict) -> None:
     """Write the draft and trainer state to ``out/checkpoint`` so that a complete checkpoint always exists.
 
     The new one is written into a temporary folder; the previous one is moved to ``checkpoint.old`` and
@@ -256,8 +258,8 @@ def stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(s, h)
 
 
-def _start(config: DistillConfig, target: "PreTrainedModel", train_windows: int
-           ) -> tuple["PreTrainedModel", dict | None]:
+def _start(config: DistillConfig, target: PreTrainedModel, train_windows: int
+           ) -> tuple[PreTrainedModel, dict | None]:
     """The draft to train: a fresh one from the target, or the checkpoint's with its trainer state."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -306,7 +308,8 @@ def distill(config: DistillConfig, sources: list[Source], progress: bool = True)
     stream = WindowStream(per_source if config.mix == "balanced" else [sum(per_source, [])], config.seed)
     draft, state = _start(config, target, len(stream))
     target.to(config.device, getattr(torch, config.target_dtype))
-    draft.to(config.device, torch.float32)
+    # transformers wraps PreTrainedModel.to with functools.wraps, which type checkers take for an unbound method
+    draft.to(config.device, torch.float32)  # type: ignore[arg-type]
     for p in (*draft.get_input_embeddings().parameters(), *draft.get_output_embeddings().parameters()):
         p.requires_grad_(False)  # the target's own vocabulary vectors
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -359,7 +362,7 @@ def distill(config: DistillConfig, sources: list[Source], progress: bool = True)
     return DistillResult(_finish(config, draft.eval(), target, held, state, vocab), False, tokens_per_s)
 
 
-def _finish(config: DistillConfig, draft: "PreTrainedModel", target: "PreTrainedModel", held: list[Source],
+def _finish(config: DistillConfig, draft: PreTrainedModel, target: PreTrainedModel, held: list[Source],
             state: dict, vocab: int) -> DraftMeta:
     """Evaluate and time the trained draft, then save it with its metadata into ``config.out``."""
     import torch

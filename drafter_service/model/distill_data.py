@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
-from typing import TYPE_CHECKING, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -117,7 +118,7 @@ def split_requests(sources: list[Source], eval_requests: int, seed: int
         if not took:
             break
     names = [name for name, _ in sources]
-    return (list(zip(names, shuffled)), [(n, h) for n, h in zip(names, held) if h])
+    return (list(zip(names, shuffled, strict=True)), [(n, h) for n, h in zip(names, held, strict=True) if h])
 
 
 def windows(seqs: list[np.ndarray], seq_len: int) -> list[np.ndarray]:
@@ -151,7 +152,7 @@ class WindowStream:
         return sum(map(len, self.sources))
 
 
-def pad_batch(batch: list[np.ndarray]) -> tuple["torch.Tensor", "torch.Tensor"]:
+def pad_batch(batch: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded (B, T) int64 token ids and their (B, T) bool mask of real positions.
 
     A causal model never attends forward, so padding at the end changes nothing before it.

@@ -10,12 +10,14 @@ import logging
 import pathlib
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from drafter_service.datasets.cache import atomic_output
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
     from transformers import PreTrainedModel
 
@@ -71,17 +73,17 @@ class DraftMeta:
     target_step_ms: dict[str, float] = field(default_factory=dict)
     created: str = ""
 
-    def write(self, folder: str | pathlib.Path) -> "DraftMeta":
+    def write(self, folder: str | pathlib.Path) -> DraftMeta:
         """Write :data:`DRAFT_META` into ``folder`` atomically; returns what was written (``created`` stamped)."""
         meta = self if self.created else dataclasses.replace(
-            self, created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+            self, created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
         path = pathlib.Path(folder) / DRAFT_META
         with atomic_output(path) as tmp:
             tmp.write_text(json.dumps(dataclasses.asdict(meta), indent=1) + "\n")
         return meta
 
     @classmethod
-    def read(cls, folder: str | pathlib.Path) -> "DraftMeta | None":
+    def read(cls, folder: str | pathlib.Path) -> DraftMeta | None:
         """The metadata stored in ``folder``, or None when it has none (unknown keys are ignored)."""
         path = pathlib.Path(folder) / DRAFT_META
         if not path.is_file():
@@ -118,8 +120,8 @@ def choose_layers(total: int, count: int, layer_choice: str | Sequence[int] = "s
     return layers
 
 
-def build_draft_from_target(target: "PreTrainedModel", num_layers: int,
-                            layer_choice: str | Sequence[int] = "spread") -> "PreTrainedModel":
+def build_draft_from_target(target: PreTrainedModel, num_layers: int,
+                            layer_choice: str | Sequence[int] = "spread") -> PreTrainedModel:
     """A draft with the target's architecture and ``num_layers`` decoder layers copied from the target.
 
     The embeddings, final norm and output head are copied too (tied to each other when the target's are),
@@ -139,11 +141,12 @@ def build_draft_from_target(target: "PreTrainedModel", num_layers: int,
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None):  # per-layer attention kinds (sliding / full) follow their layer
         config.layer_types = [config.layer_types[i] for i in layers]
-    draft = type(target)(config).to(device=target.device, dtype=target.dtype)
+    # transformers wraps PreTrainedModel.to with functools.wraps, which type checkers take for an unbound method
+    draft = type(target)(config).to(device=target.device, dtype=target.dtype)  # type: ignore[call-arg]
     body, draft_body = target.model, draft.model
     draft_body.embed_tokens.load_state_dict(body.embed_tokens.state_dict())
     draft_body.norm.load_state_dict(body.norm.state_dict())
-    for mine, theirs in zip(draft_body.layers, layers):
+    for mine, theirs in zip(draft_body.layers, layers, strict=True):
         mine.load_state_dict(body.layers[theirs].state_dict())
     if not getattr(config, "tie_word_embeddings", False):
         draft.get_output_embeddings().load_state_dict(target.get_output_embeddings().state_dict())
@@ -151,13 +154,13 @@ def build_draft_from_target(target: "PreTrainedModel", num_layers: int,
     return draft.eval()
 
 
-def output_vocab_size(model: "PreTrainedModel") -> int:
+def output_vocab_size(model: PreTrainedModel) -> int:
     """How many tokens the model's output head predicts."""
     return int(model.get_output_embeddings().weight.shape[0])
 
 
-def load_draft_model(path: str | pathlib.Path, vocab_size: int | None = None, dtype: "torch.dtype | None" = None,
-                     device: "str | torch.device" = "cpu", namespace: str | None = None) -> "PreTrainedModel":
+def load_draft_model(path: str | pathlib.Path, vocab_size: int | None = None, dtype: torch.dtype | None = None,
+                     device: str | torch.device = "cpu", namespace: str | None = None) -> PreTrainedModel:
     """Load a draft model saved by ``drafter distill-draft`` or any transformers causal-LM checkpoint folder.
 
     Args:
@@ -188,10 +191,10 @@ def load_draft_model(path: str | pathlib.Path, vocab_size: int | None = None, dt
         where = f"namespace {namespace!r}" if namespace else "the namespace"
         raise DraftModelError(f"draft model at {folder} predicts {vocab} tokens but {where} has vocab_size "
                               f"{vocab_size}")
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # PreTrainedModel.to: see build_draft_from_target
 
 
-def decode_step_ms(model: "PreTrainedModel", context: int = 64, steps: int = 32, warmup: int = 4) -> float:
+def decode_step_ms(model: PreTrainedModel, context: int = 64, steps: int = 32, warmup: int = 4) -> float:
     """Median time of one greedy decoding step (batch 1, one new token, KV cache), in milliseconds.
 
     Args:
@@ -216,7 +219,7 @@ def decode_step_ms(model: "PreTrainedModel", context: int = 64, steps: int = 32,
     return 1000.0 * statistics.median(times)
 
 
-def save_token_counts(folder: str | pathlib.Path, sequences: Sequence["np.ndarray"], vocab_size: int) -> None:
+def save_token_counts(folder: str | pathlib.Path, sequences: Sequence[np.ndarray], vocab_size: int) -> None:
     """Write :data:`TOKEN_COUNTS`: how often each token occurs in ``sequences`` (the training data)."""
     import numpy as np
 

@@ -85,7 +85,7 @@ class DashboardServer:
     page's own API calls carry it) or that cookie; /healthz without it answers only ``{"status": ...}``.
     """
 
-    def __init__(self, service: "DrafterService", rollup: "MetricsRollup", address: str,
+    def __init__(self, service: DrafterService, rollup: MetricsRollup, address: str,
                  registry: CollectorRegistry | None = None, interval_s: float = 5.0,
                  auth: HttpAuth | None = None) -> None:
         self.service = service
@@ -109,7 +109,7 @@ class DashboardServer:
         host = self.address.rpartition(":")[0]
         return f"http://{host}:{self.port}/"
 
-    def start(self) -> "DashboardServer":
+    def start(self) -> DashboardServer:
         """Bind and serve on a daemon thread.
 
         Raises:
@@ -252,7 +252,7 @@ class _Handler(BaseHTTPRequestHandler):
             query = parse_qs(url.query, keep_blank_values=True, strict_parsing=False)
             token, from_query = self._token(query)
             authorized = self.server.app.auth.allows(token)
-            if authorized and from_query and self.server.app.auth.required:
+            if authorized and from_query and token is not None and self.server.app.auth.required:
                 headers["Set-Cookie"] = f"{TOKEN_COOKIE}={quote(token, safe='')}; Path=/; HttpOnly; SameSite=Strict"
             status, payload, kind = self.server.app.route(url.path, query, authorized)
         except HttpError as exc:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -65,7 +66,7 @@ class DrafterCollector(Collector):
     A namespace whose statistics fail is skipped with a logged error; the others are still exported.
     """
 
-    def __init__(self, service: "DrafterService") -> None:
+    def __init__(self, service: DrafterService) -> None:
         self.service = service
 
     def describe(self) -> list[Metric]:
@@ -90,15 +91,15 @@ class DrafterCollector(Collector):
 def _families(figures: list[tuple[str, dict]]) -> Iterator[Metric]:
     ns_label = ["namespace"]
     for key, name, doc in _COUNTERS:
-        family = CounterMetricFamily(name, doc, labels=ns_label)
+        counter = CounterMetricFamily(name, doc, labels=ns_label)
         for ns, stats in figures:
-            family.add_metric([ns], float(stats.get(key, 0)))
-        yield family
+            counter.add_metric([ns], float(stats.get(key, 0)))
+        yield counter
     for key, name, doc in _GAUGES:
-        family = GaugeMetricFamily(name, doc, labels=ns_label)
+        gauge = GaugeMetricFamily(name, doc, labels=ns_label)
         for ns, stats in figures:
-            family.add_metric([ns], float(stats.get(key, 0)))
-        yield family
+            gauge.add_metric([ns], float(stats.get(key, 0)))
+        yield gauge
     rate = GaugeMetricFamily("drafter_acceptance_rate", "Confirmed over drafted tokens since the start.",
                              labels=ns_label)
     healthy = GaugeMetricFamily("drafter_persistence_healthy", "1 when the namespace's Redis answers and its spool "
@@ -122,10 +123,11 @@ def _families(figures: list[tuple[str, dict]]) -> Iterator[Metric]:
     yield from (rate, healthy, latency, drafted, confirmed)
 
 
-def _follower_families(service: "DrafterService") -> Iterator[Metric]:
+def _follower_families(service: DrafterService) -> Iterator[Metric]:
     """Log following of a replica that shares its Redis with others (nothing when it does not follow)."""
-    followers = [(name, ns.log.follower.stats()) for name, ns in list(service.namespaces.items())
-                 if ns.log.follower is not None]
+    followers: list[tuple[str, dict[str, Any]]] = [(name, ns.log.follower.stats())
+                                                   for name, ns in list(service.namespaces.items())
+                                                   if ns.log.follower is not None]
     if not followers:
         return
     info = GaugeMetricFamily("drafter_replica_info", "This replica's id (value 1).", labels=["replica"])
@@ -143,7 +145,7 @@ def _follower_families(service: "DrafterService") -> Iterator[Metric]:
     yield from (info, applied, skipped, connected)
 
 
-def metrics_registry(service: "DrafterService") -> CollectorRegistry:
+def metrics_registry(service: DrafterService) -> CollectorRegistry:
     """A registry of its own (not prometheus_client's global one) holding a ``DrafterCollector``."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DrafterCollector(service))

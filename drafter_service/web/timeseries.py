@@ -135,7 +135,7 @@ class MetricsRollup:
     durable history with a logged warning; serving is not affected, and the point records ``healthy: false``.
     """
 
-    def __init__(self, service: "DrafterService", keep_in_memory: int = 2048) -> None:
+    def __init__(self, service: DrafterService, keep_in_memory: int = 2048) -> None:
         self.service = service
         self.dropped = 0
         self._lock = threading.Lock()
@@ -150,7 +150,7 @@ class MetricsRollup:
         with self._lock:  # one roll at a time: each interval is counted once
             return [self._roll_one(name, ns) for name, ns in self.service.namespaces.items()]
 
-    def _roll_one(self, name: str, ns: "Namespace") -> dict:
+    def _roll_one(self, name: str, ns: Namespace) -> dict:
         stats = ns.stats()
         now = time.monotonic()
         after, latencies = _counters(ns)
@@ -191,7 +191,7 @@ class MetricsRollup:
         return [p for p in list(self._recent[namespace]) if p["t"] > since_ms][-limit:] if limit > 0 else []
 
 
-def _counters(ns: "Namespace") -> tuple[dict, list[int]]:
+def _counters(ns: Namespace) -> tuple[dict, list[int]]:
     """A consistent copy of a namespace's cumulative counters and its recent draft latencies (ns)."""
     c = ns.counters
     with c.lock:

@@ -191,7 +191,7 @@ def check_tree(reply: pb.DraftResponse, vocab: int, budget: int) -> None:
     n = len(reply.token_ids)
     assert len(reply.parents) == len(reply.probs) == n and len(reply.sources) in (0, n)
     assert n <= budget
-    for i, (tok, parent, prob) in enumerate(zip(reply.token_ids, reply.parents, reply.probs)):
+    for i, (tok, parent, prob) in enumerate(zip(reply.token_ids, reply.parents, reply.probs, strict=True)):
         assert 0 <= tok < vocab, "a drafted token outside the session's namespace"
         assert -1 <= parent < i
         assert 0.0 <= prob <= 1.0 and math.isfinite(prob)

@@ -47,7 +47,7 @@ def next_tokens(stub, sid, rid, known=4):
     prompt, output = REQS[rid]
     stub.StartSession(pb.StartSessionRequest(session_id=sid, prompt=prompt + output[:known]))
     reply = stub.Draft(pb.DraftRequest(session_id=sid, max_nodes=16))
-    return {t for t, p in zip(reply.token_ids, reply.parents) if p == -1}, output[known]
+    return {t for t, p in zip(reply.token_ids, reply.parents, strict=True) if p == -1}, output[known]
 
 
 def health(address, service):

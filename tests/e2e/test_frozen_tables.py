@@ -43,7 +43,7 @@ def draft(stub, session_id, prompt=(LEADER,)):
     stub.StartSession(pb.StartSessionRequest(session_id=session_id, prompt=list(prompt)))
     reply = stub.Draft(pb.DraftRequest(session_id=session_id, max_nodes=16))
     stub.EndSession(pb.EndSessionRequest(session_id=session_id))
-    return [(t, p, s) for t, p, s in zip(reply.token_ids, reply.parents, reply.sources)]
+    return [(t, p, s) for t, p, s in zip(reply.token_ids, reply.parents, reply.sources, strict=False)]
 
 
 def frozen_path(nodes):

@@ -86,7 +86,7 @@ class ApiMachine(RuleBasedStateMachine):
 
     def _end_all(self) -> None:
         for sid in self._live_now():  # those a failed case left too
-            code, _ = self.service.call("EndSession", lambda: self.service.stub.EndSession(
+            code, _ = self.service.call("EndSession", lambda sid=sid: self.service.stub.EndSession(
                 pb.EndSessionRequest(session_id=sid), timeout=DEADLINE_S))
             assert code == grpc.StatusCode.OK, (sid, code)
 
@@ -139,7 +139,7 @@ class ApiMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(sorted(self.live)), label="session_id")
         ids, parents = self.trees.get(sid, ((), ()))
         path, node = [], -1
-        for i, (tok, parent) in enumerate(zip(ids, parents)):  # parents come before their children
+        for i, (tok, parent) in enumerate(zip(ids, parents, strict=True)):  # parents come before their children
             if len(path) == follow:
                 break
             if parent == node:
@@ -180,7 +180,7 @@ class ApiMachine(RuleBasedStateMachine):
             self.live[sid] = (ns, out + len(accepted))
             expect_ok += 1
         assert len(replies) == expect_ok and (code == grpc.StatusCode.OK) == (expect_ok == len(steps))
-        for reply, (_, budget, report_only) in zip(replies, steps):
+        for reply, (_, budget, report_only) in zip(replies, steps, strict=False):
             check_tree(reply, VOCAB[self.live[sid][0]], budget or LIMITS["nodes"])
             assert not report_only or len(reply.token_ids) == 0
 
@@ -319,7 +319,7 @@ def test_concurrent_calls_on_the_same_sessions_store_each_request_once(fuzzed):
         barrier = threading.Barrier(6)
         outcomes: list[tuple[str, str, str]] = []  # (method, session id, status code name), appended by the threads
 
-        def hammer(k: int) -> None:
+        def hammer(k: int, barrier: threading.Barrier, sids: list[str], outcomes: list[tuple[str, str, str]]) -> None:
             barrier.wait()
             for sid in sids:
                 method = "Draft" if k % 2 else "EndSession"
@@ -331,7 +331,7 @@ def test_concurrent_calls_on_the_same_sessions_store_each_request_once(fuzzed):
                     outcomes.append((method, sid, "OK"))
                 except grpc.RpcError as exc:
                     outcomes.append((method, sid, exc.code().name))
-        threads = [threading.Thread(target=hammer, args=(k,)) for k in range(6)]
+        threads = [threading.Thread(target=hammer, args=(k, barrier, sids, outcomes)) for k in range(6)]
         for t in threads:
             t.start()
         for t in threads:

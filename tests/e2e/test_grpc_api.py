@@ -60,7 +60,8 @@ def test_every_rpc_and_drafts_equal_the_in_process_core(running):
         pos += len(accepted)
         steps += 1
     assert steps < len(output)  # the stored copy of this very request is drafted back
-    assert stub.EndSession(pb.EndSessionRequest(session_id="s", accepted=accepted)).stored_tokens == len(prompt) + len(output)
+    ended = stub.EndSession(pb.EndSessionRequest(session_id="s", accepted=accepted))
+    assert ended.stored_tokens == len(prompt) + len(output)
     stats = stub.GetStats(pb.GetStatsRequest())
     assert stats.stored_requests == len(reqs) + 1
     assert stats.stored_tokens == sum(len(p) + len(o) + 1 for p, o in reqs) + len(prompt) + len(output) + 1

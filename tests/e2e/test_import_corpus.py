@@ -19,7 +19,7 @@ STORY = "the cat sat on the mat and the dog ran to it\n"
 
 
 def run(*args, check=True):
-    done = subprocess.run([DRAFTER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60)
+    done = subprocess.run([DRAFTER, *args], capture_output=True, text=True, timeout=60)
     assert not check or done.returncode == 0, done.stderr
     return done
 

@@ -31,7 +31,7 @@ def repeat_branch(stub: pb_grpc.DrafterStub, session_id: str, prompt: list[int],
     """Open a session and return the tokens of its first draft's repeat nodes, in order."""
     stub.StartSession(pb.StartSessionRequest(session_id=session_id, prompt=prompt))
     reply = stub.Draft(pb.DraftRequest(session_id=session_id, max_nodes=max_nodes))
-    return [t for t, s in zip(reply.token_ids, reply.sources) if s == pb.SOURCE_REPEAT]
+    return [t for t, s in zip(reply.token_ids, reply.sources, strict=False) if s == pb.SOURCE_REPEAT]
 
 
 def test_a_finished_session_is_offered_to_the_next_request_with_its_prompt_even_after_a_restart(redis_url):
@@ -61,7 +61,8 @@ def test_an_ingested_request_feeds_the_cache_and_the_branch_follows_the_output(r
         # the engine accepted all 8 and added its own token, which matches the stored output too
         reply = stub.Draft(pb.DraftRequest(session_id="s", accepted=OUTPUT[:9], max_nodes=8))
         assert reply.confirmed == 8
-        assert [t for t, s in zip(reply.token_ids, reply.sources) if s == pb.SOURCE_REPEAT] == OUTPUT[9:17]
+        repeated = [t for t, s in zip(reply.token_ids, reply.sources, strict=False) if s == pb.SOURCE_REPEAT]
+        assert repeated == OUTPUT[9:17]
         stats = stub.GetStats(pb.GetStatsRequest())
         assert stats.confirmed_by_source["repeat"] == 8
     finally:

@@ -42,7 +42,8 @@ def has_chain(reply, tokens) -> bool:
     """Whether the draft holds ``tokens`` as a path from the root."""
     parent = -1
     for token in tokens:
-        nxt = [i for i, (t, p) in enumerate(zip(reply.token_ids, reply.parents)) if t == token and p == parent]
+        nxt = [i for i, (t, p) in enumerate(zip(reply.token_ids, reply.parents, strict=True))
+               if t == token and p == parent]
         if not nxt:
             return False
         parent = nxt[0]
@@ -106,7 +107,7 @@ def test_concurrent_writers_on_two_replicas_leave_identical_buffers_in_log_order
         total = sum(len(batch) for batch in batches)
         last = a.service.namespaces["default"].persistence.last_id()
         for rt in (a, b):
-            wait_for(lambda: rt.service.namespaces["default"].log.position == last, what="the follower")
+            wait_for(lambda rt=rt: rt.service.namespaces["default"].log.position == last, what="the follower")
         assert ring_contents(a).tolist() == ring_contents(b).tolist()  # same requests, same (log) order
         logged = [rec.tokens.tolist() for rec in a.service.namespaces["default"].persistence.iter_request_records()]
         assert len(logged) == total

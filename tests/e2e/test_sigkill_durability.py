@@ -194,7 +194,7 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(redis_server, tmp_
                 prompt, output = sent[rid]  # long acknowledged requests: drafts continue them
                 stub.StartSession(pb.StartSessionRequest(session_id=f"probe{i}", prompt=prompt + output[:5]))
                 reply = stub.Draft(pb.DraftRequest(session_id=f"probe{i}", max_nodes=16))
-                assert output[5] in {t for t, p in zip(reply.token_ids, reply.parents) if p == -1}, rid
+                assert output[5] in {t for t, p in zip(reply.token_ids, reply.parents, strict=True) if p == -1}, rid
             stub.StartSession(pb.StartSessionRequest(session_id="frozen", prompt=[LEADER]))
             reply = stub.Draft(pb.DraftRequest(session_id="frozen", max_nodes=4))
             assert list(reply.token_ids[:3]) == [997, 998, 996]

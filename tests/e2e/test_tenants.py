@@ -125,7 +125,8 @@ def test_an_open_namespace_takes_anyone_with_valid_credentials_or_none(stub):
 
 def test_unknown_namespaces_are_refused_exactly_like_protected_ones(stub):
     for token, expected in ((None, "UNAUTHENTICATED"), (B, "PERMISSION_DENIED")):
-        for (name, protected), (_, unknown) in zip(namespace_calls(stub, "alpha"), namespace_calls(stub, "nosuch")):
+        for (name, protected), (_, unknown) in zip(namespace_calls(stub, "alpha"), namespace_calls(stub, "nosuch"),
+                                                   strict=True):
             answers = []
             for call, namespace in ((protected, "alpha"), (unknown, "nosuch")):
                 try:

@@ -132,7 +132,7 @@ def test_drafts_equal_the_raw_stubs_for_the_same_calls(factor, min_nodes):
                 trees = generate(client, prompt, output)
                 local = client.stats_local()
             assert [(t.token_ids, t.parents) for t in trees] == [(t.token_ids, t.parents) for t in expected]
-            for t, e in zip(trees, expected):
+            for t, e in zip(trees, expected, strict=True):
                 assert t.probs == pytest.approx(e.probs, rel=1e-6)
             assert (local.reused_steps > 0) == (factor > 1)
         a, b = raw_stub(ours).GetStats(pb.GetStatsRequest()), raw_stub(theirs).GetStats(pb.GetStatsRequest())
@@ -166,7 +166,7 @@ def test_reused_steps_need_no_round_trip_and_the_service_still_sees_every_token(
             tree.check_invariants()
             local = client.stats_local()
             assert local.reused_steps == step and local.fetched_steps == 1
-            wait_for(lambda: stats().reused_steps == step)  # reports are not waited for: they arrive soon
+            wait_for(lambda step=step: stats().reused_steps == step)  # reports are not waited for: they arrive soon
             assert stats().drafts == drafts  # no round trip
         # past the end of the tree: a round trip, and the service's session holds every token reported
         tree = client.draft(sid, output[10:17])

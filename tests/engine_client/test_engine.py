@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -240,7 +240,7 @@ def test_step_seconds_report_the_previous_verification():
     secs = [c[2] for c in source.calls]
     assert secs[0] == 0.0
     assert all(s > 0 for s in secs[1:])
-    for s, reported in zip(result.steps, secs[1:]):
+    for s, reported in zip(result.steps, secs[1:], strict=False):
         assert reported == pytest.approx(s.verify_seconds)
         assert s.seconds >= s.draft_seconds >= 0
 

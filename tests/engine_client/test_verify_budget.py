@@ -33,7 +33,8 @@ def test_plain_step_time_is_the_fitted_base_once_the_steps_pin_it_down():
     # least squares over (32, .075) x3, (0, .050), (8, .058), (16, .066), by hand: t(0) = mean_t - slope * mean_n
     ns, ts = [32, 32, 32, 0, 8, 16], [0.075] * 3 + [0.050, 0.058, 0.066]
     mean_n, mean_t = sum(ns) / 6, sum(ts) / 6
-    slope = (sum(n * t for n, t in zip(ns, ts)) / 6 - mean_n * mean_t) / (sum(n * n for n in ns) / 6 - mean_n ** 2)
+    slope = ((sum(n * t for n, t in zip(ns, ts, strict=True)) / 6 - mean_n * mean_t)
+             / (sum(n * n for n in ns) / 6 - mean_n ** 2))
     assert model.plain_seconds() == pytest.approx(mean_t - slope * mean_n, rel=1e-9)
     assert model.plain_seconds() == model.line()[0]
     plain = StepCostModel(decay=1.0)

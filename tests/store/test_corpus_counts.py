@@ -98,7 +98,7 @@ def test_pruning_drops_the_rarest_and_reports_it():
     assert counter.pruned_occurrences + int(counts.sum()) == counter.grams
     truth = naive_counts(docs, 4)
     assert {tuple(g) for g in grams.tolist()} >= {(0, 1, 2, 3), (1, 2, 3, 0), (2, 3, 0, 1), (3, 0, 1, 2)}
-    assert all(c <= truth[tuple(g)] for g, c in zip(grams.tolist(), counts.tolist()))
+    assert all(c <= truth[tuple(g)] for g, c in zip(grams.tolist(), counts.tolist(), strict=True))
     assert counter.table(2, 4).query((0,)) == [((1, 2, 3), 10)]
 
 
@@ -137,7 +137,7 @@ def test_pruned_counts_never_exceed_the_truth(docs, bound, chunk):
     grams, counts = counter.counts()
     truth = naive_counts(docs, 3)
     assert counter.distinct <= bound
-    assert all(0 < c <= truth[tuple(g)] for g, c in zip(grams.tolist(), counts.tolist()))
+    assert all(0 < c <= truth[tuple(g)] for g, c in zip(grams.tolist(), counts.tolist(), strict=True))
     assert counter.pruned_occurrences + int(counts.sum()) == counter.grams
     if counter.pruned_grams == 0:
-        assert dict(zip(map(tuple, grams.tolist()), counts.tolist())) == dict(truth)
+        assert dict(zip(map(tuple, grams.tolist()), counts.tolist(), strict=True)) == dict(truth)

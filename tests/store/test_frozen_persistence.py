@@ -17,7 +17,7 @@ def corpus_table(seed=0, lc=50, fc=8):
 
 
 def same(a, b):
-    return all(np.array_equal(x, y) for x, y in zip(a.arrays().values(), b.arrays().values()))
+    return all(np.array_equal(x, y) for x, y in zip(a.arrays().values(), b.arrays().values(), strict=True))
 
 
 def test_arrays_round_trip_with_their_header_and_replace(redis_server):

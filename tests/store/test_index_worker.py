@@ -28,7 +28,7 @@ def test_store_with_a_child_builder_answers_like_one_without(worker):
     rng = np.random.default_rng(1)
     stores = [TokenStore(capacity=5000, tail_tokens=16), TokenStore(capacity=5000, tail_tokens=16)]
     stores[1].builder = worker.build_arrays
-    for step in range(60):
+    for _ in range(60):
         doc = rng.integers(0, 6, 40)
         for s in stores:
             s.append(doc)

@@ -55,7 +55,7 @@ def test_scan_matches_empty_inputs() -> None:
 def test_scan_matches_across_the_wrap() -> None:
     # capacity 6 holding absolute positions 4..9: slot p % 6
     ring = np.zeros(6, dtype=np.int32)
-    for p, tok in zip(range(4, 10), [7, 8, -1, 7, 8, -1]):
+    for p, tok in zip(range(4, 10), [7, 8, -1, 7, 8, -1], strict=True):
         ring[p % 6] = tok
     m, counts, ends = scan_matches(ring, 4, 10, rev([7, 8]), 2, 4)
     assert (m, counts.tolist(), sorted(ends.tolist())) == (2, [2, 2], [5, 8])

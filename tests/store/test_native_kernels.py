@@ -8,7 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -86,7 +86,7 @@ def assert_same(got: Continuations, want: Continuations) -> None:
 
 def assert_same_triple(got: tuple, want: tuple) -> None:
     assert got[0] == want[0]
-    for g, w in zip(got[1:], want[1:]):
+    for g, w in zip(got[1:], want[1:], strict=True):
         assert g.dtype == w.dtype == np.int64
         assert g.tolist() == w.tolist()
 

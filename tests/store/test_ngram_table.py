@@ -1,4 +1,5 @@
-"""Tests of the Cacheback n-gram tables: LRU rules by hand and against a naive model, frozen tables against a Counter."""
+"""Tests of the Cacheback n-gram tables: LRU rules by hand and against a naive model, frozen tables against a
+Counter."""
 
 from __future__ import annotations
 

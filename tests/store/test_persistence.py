@@ -34,7 +34,7 @@ def docs_of(lengths, seed=0, ids=True):
 
 def assert_same_requests(got, docs):
     assert len(got) == len(docs)
-    for (_, tokens, rid), (want, want_id) in zip(got, docs):
+    for (_, tokens, rid), (want, want_id) in zip(got, docs, strict=True):
         assert tokens.dtype == np.int32 and tokens.tobytes() == want.astype(np.int32).tobytes()
         assert rid == want_id
 

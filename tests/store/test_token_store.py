@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -362,7 +362,7 @@ def test_counts_cover_every_length_and_occurrences_match_rows(docs: list[list[in
         m, counts, rows = naive.lookup(context, 6, 1000, 2)
         assert answer(found) == (m, counts, rows)
         assert found.occurrences == len(rows)
-        assert all(a >= b for a, b in zip(counts, counts[1:]))
+        assert all(a >= b for a, b in zip(counts, counts[1:], strict=False))
         store.rebuild("main")
 
 

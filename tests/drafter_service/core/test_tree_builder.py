@@ -121,7 +121,8 @@ def test_native_scoring_equals_python_reference(scenario, accepted):
     for model in models:
         for key, acc, trials in model_state:
             model.accepted[key], model.trials[key] = min(acc, trials), trials
-    confirmed = [score_draft(tree, evidence, accepted, m, native=native) for m, native in zip(models, (False, True))]
+    confirmed = [score_draft(tree, evidence, accepted, m, native=native)
+                 for m, native in zip(models, (False, True), strict=True)]
     assert confirmed[0] == confirmed[1]
     assert list(models[0].accepted) == pytest.approx(list(models[1].accepted))
     assert list(models[0].trials) == pytest.approx(list(models[1].trials))

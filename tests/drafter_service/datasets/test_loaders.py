@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import pathlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -58,7 +58,7 @@ def test_request_jsonl_round_trip(tmp_path: pathlib.Path) -> None:
     assert write_requests(path, reqs) == 2
     back = list(read_requests(path))
     assert [r.request_id for r in back] == [r.request_id for r in reqs]
-    for got, want in zip(back, reqs):
+    for got, want in zip(back, reqs, strict=True):
         assert got.prompt.dtype == np.int32 and got.output.dtype == np.int32
         assert np.array_equal(got.prompt, want.prompt) and np.array_equal(got.output, want.output)
     with pytest.raises(ValueError):
@@ -101,13 +101,13 @@ def test_mtbench_requests() -> None:
     tok = load_smollm2_tokenizer()
     assert tok.decode(reqs[0].prompt.tolist()).startswith("A chat between a curious user")
     assert tok.decode(reqs[0].prompt.tolist()).endswith(" ASSISTANT:")
-    for first, second in zip(reqs[0::2], reqs[1::2]):
+    for first, second in zip(reqs[0::2], reqs[1::2], strict=True):
         turn1 = first.prompt.tolist() + first.output.tolist()
         assert second.prompt[: len(turn1)].tolist() == turn1  # the turn-1 answer tokens reappear unchanged
     # the second load comes from the cache file and is identical
     again = load_dataset("mtbench", limit=3)
     assert [r.request_id for r in again] == [r.request_id for r in reqs[:3]]
-    assert all(np.array_equal(a.output, b.output) for a, b in zip(again, reqs))
+    assert all(np.array_equal(a.output, b.output) for a, b in zip(again, reqs, strict=False))
 
 
 def test_sharegpt_requests_small_limit() -> None:

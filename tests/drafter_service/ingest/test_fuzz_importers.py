@@ -250,4 +250,4 @@ def test_the_counter_counts_every_window_of_any_documents(docs, max_distinct, ch
     assert counter.grams == sum(naive.values())
     if max_distinct is None:
         grams, counts = counter.counts()
-        assert dict(zip(map(tuple, grams.tolist()), counts.tolist())) == dict(naive)
+        assert dict(zip(map(tuple, grams.tolist()), counts.tolist(), strict=True)) == dict(naive)

@@ -36,7 +36,7 @@ def brute_force(model, context: list[int], width: int, top_k: int, layers: int,
             probs, toks = torch.topk(next_probs(model, context + list(seq), subset), top_k)
             if subset is not None:
                 toks = subset[toks]
-            pool += [(seq + (int(t),), cum * float(p)) for p, t in zip(probs, toks)]
+            pool += [(seq + (int(t),), cum * float(p)) for p, t in zip(probs, toks, strict=True)]
         pool.sort(key=lambda c: -c[1])
         primary = pool[:width]
         kept.update(primary)
@@ -111,7 +111,7 @@ def test_correction_keeps_exactly_the_surviving_subtree(model):
     assert survivors
     # plus the new root's top-k candidates that an earlier layer's global sort had left out
     probs, toks = torch.topk(next_probs(model, CONTEXT + list(verified)), 3)
-    restored = {(int(t),): float(p) for p, t in zip(probs, toks) if (int(t),) not in survivors}
+    restored = {(int(t),): float(p) for p, t in zip(probs, toks, strict=True) if (int(t),) not in survivors}
     assert_same(paths(cache), {**survivors, **restored})
 
 

@@ -1,0 +1,36 @@
+"""Type stubs for the C extension ``store._kernels`` (built from ``_kernels.c``).
+
+Every lookup returns ``NotImplemented`` for arguments it does not handle; the callers then run the numpy reference.
+"""
+
+from types import NotImplementedType
+from typing import final
+
+import numpy as np
+
+_Matches = tuple[int, np.ndarray, np.ndarray]
+
+@final
+class Index:
+    """A suffix index's arrays held for native matching (keeps them alive)."""
+
+    def __init__(self, keys: np.ndarray, sa: np.ndarray, start: int, end: int, bits: int,
+                 tokens_per_key: int) -> None: ...
+    @property
+    def nbytes(self) -> int:
+        """Memory held beyond the index's own arrays (the bucket table)."""
+
+def simd(name: str | None = None, /) -> str: ...
+def scan_matches(ring_data: np.ndarray, start: int, stop: int, context_rev: np.ndarray, limit: int, oldest: int,
+                 /) -> _Matches | NotImplementedType: ...
+def extend_matches(ring_data: np.ndarray, ends: np.ndarray, context_rev: np.ndarray, matched: int, limit: int,
+                   oldest: int, /) -> _Matches | NotImplementedType: ...
+def continuations(ring_data: np.ndarray, starts: np.ndarray, depth: int, stop: int,
+                  /) -> np.ndarray | NotImplementedType: ...
+def index_match(index: Index, context_rev: np.ndarray, ring_data: np.ndarray, oldest: int, max_match: int,
+                max_candidates: int, /) -> _Matches | NotImplementedType: ...
+def store_lookup(context: np.ndarray, ring_data: np.ndarray, oldest: int, stop: int, delta: Index | None,
+                 main: Index | None, max_match: int, max_occurrences: int, depth: int, max_candidates: int,
+                 max_examined: int, /) -> tuple[int, np.ndarray, np.ndarray] | None | NotImplementedType: ...
+def session_lookup(tokens: np.ndarray, n: int, max_match: int, max_occurrences: int, depth: int,
+                   /) -> tuple[int, np.ndarray, np.ndarray] | None | NotImplementedType: ...
