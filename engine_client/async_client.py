@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from time import perf_counter_ns
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import grpc
 
@@ -20,14 +21,13 @@ from engine_client.client_common import (
     DrafterRequestError,
     DrafterUnavailable,
     IngestBuffer,
-    LocalFigures,
     ServiceDown,
     channel_options,
     rpc_code,
     stats_dict,
     to_sequences,
 )
-from engine_client.draft_reuse import Pending, SessionBook, SessionState, settle_all
+from engine_client.draft_reuse import LocalFigures, Pending, SessionBook, SessionState, settle_all
 from engine_client.security import PLAINTEXT, ClientSecurity
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class _AsyncStream:
         while not entry.done and not self.closed:
             try:
                 resp = await asyncio.wait_for(self._call.read(), deadline - asyncio.get_running_loop().time())
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._break("DEADLINE_EXCEEDED", f"no answer within {timeout} s")
                 return
             except Exception as exc:
@@ -114,6 +114,13 @@ class AsyncDrafterClient(LocalFigures):
         self._stub: pb_grpc.DrafterStub | None = None
         self._stream: _AsyncStream | None = None
 
+    @property
+    def _connected(self) -> pb_grpc.DrafterStub:
+        """The stub of the channel ``connect`` made (every call path connects first)."""
+        if self._stub is None:
+            raise RuntimeError("the client is not connected: call connect() first")
+        return self._stub
+
     async def connect(self) -> None:
         """Make the channel and wait up to ``connect_timeout`` for the service (never raises when it is away)."""
         if self._channel is not None:
@@ -124,7 +131,7 @@ class AsyncDrafterClient(LocalFigures):
             try:
                 await asyncio.wait_for(self._channel.channel_ready(), self.connect_timeout)
                 await self._learn_vocab()
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._backoff.failure(f"not reachable within {self.connect_timeout} s")
             except ServiceDown:
                 pass
@@ -147,7 +154,7 @@ class AsyncDrafterClient(LocalFigures):
 
     async def _learn_vocab(self) -> None:
         if self._book.vocab_size is None:
-            reply, code, details = await self._unary(self._stub.GetStats,
+            reply, code, details = await self._unary(self._connected.GetStats,
                                                      pb.GetStatsRequest(namespace=self.namespace))
             if reply is None:
                 raise DrafterRequestError(f"namespace {self.namespace!r}: {details}", code)
@@ -155,14 +162,14 @@ class AsyncDrafterClient(LocalFigures):
 
     def _get_stream(self) -> _AsyncStream:
         if self._stream is None or self._stream.closed:
-            self._stream = _AsyncStream(self._stub, self._book)
+            self._stream = _AsyncStream(self._connected, self._book)
         return self._stream
 
     async def _open_remote(self, state: SessionState) -> None:
         """(Re)open the service's copy of a session with every token known so far."""
         for _ in range(3):
             req, n, reopened = self._book.start_request(state, self.namespace)
-            reply, code, details = await self._unary(self._stub.StartSession, req)
+            reply, code, details = await self._unary(self._connected.StartSession, req)
             if reply is not None:
                 self._book.opened(state, n, reopened)
                 await self._learn_vocab()
@@ -181,7 +188,7 @@ class AsyncDrafterClient(LocalFigures):
             batch, seqs = seqs[:INGEST_BATCH], seqs[INGEST_BATCH:]
             req = pb.IngestRequest(namespace=self.namespace, requests=batch)
             try:
-                reply, code, details = await self._unary(self._stub.Ingest, req)
+                reply, code, details = await self._unary(self._connected.Ingest, req)
             except ServiceDown:
                 return batch + seqs
             if reply is None and strict:
@@ -263,7 +270,7 @@ class AsyncDrafterClient(LocalFigures):
                 await entry.waiter.settle(entry, self.timeout)
         if self._backoff.ready() and book.can_report(state):
             try:
-                reply, code, details = await self._unary(self._stub.EndSession, book.end_request(state))
+                reply, code, details = await self._unary(self._connected.EndSession, book.end_request(state))
             except ServiceDown:
                 reply, code, details = None, "UNAVAILABLE", ""
             if reply is not None:
@@ -288,7 +295,7 @@ class AsyncDrafterClient(LocalFigures):
         """GetStats of the client's namespace as a dictionary; DrafterUnavailable when unreachable."""
         await self.connect()
         try:
-            reply = await self._stub.GetStats(pb.GetStatsRequest(namespace=self.namespace),
+            reply = await self._connected.GetStats(pb.GetStatsRequest(namespace=self.namespace),
                                               timeout=self.call_timeout)
         except grpc.RpcError as exc:
             raise DrafterUnavailable(f"GetStats failed: {rpc_code(exc)}") from None
@@ -307,7 +314,7 @@ class AsyncDrafterClient(LocalFigures):
         await self._channel.close()
         self._channel = None
 
-    async def __aenter__(self) -> "AsyncDrafterClient":
+    async def __aenter__(self) -> AsyncDrafterClient:
         await self.connect()
         return self
 

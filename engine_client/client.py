@@ -7,8 +7,9 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from time import perf_counter_ns
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -23,14 +24,13 @@ from engine_client.client_common import (
     DrafterRequestError,
     DrafterUnavailable,
     IngestBuffer,
-    LocalFigures,
     ServiceDown,
     channel_options,
     rpc_code,
     stats_dict,
     to_sequences,
 )
-from engine_client.draft_reuse import Pending, SessionBook, SessionState, settle_all
+from engine_client.draft_reuse import LocalFigures, Pending, SessionBook, SessionState, settle_all
 from engine_client.security import PLAINTEXT, ClientSecurity
 
 logger = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ class DrafterClient(LocalFigures):
         while not self._closing.wait(poll):
             stream = self._stream
             since = stream.reading_since if stream is not None else 0.0
-            if since and time.monotonic() - since > self.timeout:
+            if stream is not None and since and time.monotonic() - since > self.timeout:
                 stream.expire(since)
 
     def _open_remote(self, state: SessionState) -> None:
@@ -394,7 +394,7 @@ class DrafterClient(LocalFigures):
             stream.close()
         self._channel.close()
 
-    def __enter__(self) -> "DrafterClient":
+    def __enter__(self) -> DrafterClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

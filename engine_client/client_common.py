@@ -6,8 +6,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from drafter_service.api.backoff import BackoffClock, ExponentialBackoff
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
@@ -105,23 +106,6 @@ class ClientStats:
                      "mean_accepted_after_fetch"):
             out[name] = getattr(self, name)
         return out
-
-
-class LocalFigures:
-    """What a client counted itself, shared by the sync and asyncio clients (``_book``, ``_backoff``, ``_buffer``)."""
-
-    def stats_local(self) -> ClientStats:
-        """What this client did: steps, reused steps, latencies, outages, buffered requests."""
-        return self._book.snapshot(self._backoff.outages)
-
-    def reset_stats_local(self) -> None:
-        """Zero the client's statistics (outages are counted on)."""
-        self._book.reset_stats()
-
-    @property
-    def buffered(self) -> int:
-        """Completed requests waiting for the service."""
-        return len(self._buffer)
 
 
 class Backoff:

@@ -7,13 +7,21 @@ import logging
 import re
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from time import perf_counter_ns
-from typing import Any, Sequence
+from typing import Any
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
-from engine_client.client_common import CALLER_ERRORS, ClientStats, DrafterRequestError, check_tokens
+from engine_client.client_common import (
+    CALLER_ERRORS,
+    Backoff,
+    ClientStats,
+    DrafterRequestError,
+    IngestBuffer,
+    check_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +45,8 @@ def descend(tree: DraftTree, tokens: Sequence[int]) -> int | None:
     tok = next(want, None)
     if tok is None:
         return node
-    for i, (t, p) in enumerate(zip(tree.token_ids, tree.parents)):  # every parent comes before its children
+    # every parent comes before its children
+    for i, (t, p) in enumerate(zip(tree.token_ids, tree.parents, strict=True)):
         if p == node and t == tok:
             node = i
             tok = next(want, None)
@@ -84,7 +93,7 @@ class SessionState:
     uncertain: bool = False
     sent: int = 0
     acked: int = 0
-    pending: list["Pending"] = field(default_factory=list)
+    pending: list[Pending] = field(default_factory=list)
     full: DraftTree = EMPTY_TREE
     last_kind: str = ""
 
@@ -118,7 +127,7 @@ class Pending:
         return "retry" if self.definite else "down"
 
 
-def settle_all(book: "SessionBook", entries: list[Pending], code: str, details: str) -> None:
+def settle_all(book: SessionBook, entries: list[Pending], code: str, details: str) -> None:
     """Fail what a broken stream still owed. After a refusal (the service aborts the stream on a bad request)
     the first was the culprit and none of the rest was applied; otherwise nothing is certain."""
     refused = code == "NOT_FOUND" or code in CALLER_ERRORS
@@ -385,3 +394,24 @@ class SessionBook:
         """A copy of the statistics."""
         with self._lock:
             return ClientStats(**{**asdict(self.stats), "outages": outages})
+
+
+class LocalFigures:
+    """What a client counted itself, shared by the sync and asyncio clients."""
+
+    _book: SessionBook
+    _backoff: Backoff
+    _buffer: IngestBuffer
+
+    def stats_local(self) -> ClientStats:
+        """What this client did: steps, reused steps, latencies, outages, buffered requests."""
+        return self._book.snapshot(self._backoff.outages)
+
+    def reset_stats_local(self) -> None:
+        """Zero the client's statistics (outages are counted on)."""
+        self._book.reset_stats()
+
+    @property
+    def buffered(self) -> int:
+        """Completed requests waiting for the service."""
+        return len(self._buffer)

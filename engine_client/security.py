@@ -5,9 +5,10 @@ from __future__ import annotations
 import collections
 import logging
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import grpc
 
@@ -51,7 +52,7 @@ class ClientSecurity:
             object.__setattr__(self, "tls", True)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "ClientSecurity":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ClientSecurity:
         """Settings from the environment, as the ``drafter`` commands read them.
 
         DRAFTER_TOKEN (a token or @FILE), DRAFTER_TLS_ROOT_CA, DRAFTER_TLS_CLIENT_CERT, DRAFTER_TLS_CLIENT_KEY,
@@ -92,7 +93,7 @@ class ClientSecurity:
                 else grpc.insecure_channel(address, options=opts))
         return grpc.intercept_channel(base, _SyncMetadata(self.metadata())) if self.token else base
 
-    def aio_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> "grpc.aio.Channel":
+    def aio_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
         """The asyncio channel of ``channel`` (make it inside the running event loop)."""
         opts = self._options(options)
         interceptors = _aio_interceptors(self.metadata()) if self.token else None
@@ -145,7 +146,7 @@ class _SyncMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
 
 def _aio_interceptors(metadata: tuple[tuple[str, str], ...]) -> list:
     """One interceptor per call kind (an asyncio channel files each under a single kind) adding ``metadata``."""
-    def details(d: "grpc.aio.ClientCallDetails") -> "grpc.aio.ClientCallDetails":
+    def details(d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         md = grpc.aio.Metadata(*(tuple(d.metadata) if d.metadata else ()), *metadata)
         return grpc.aio.ClientCallDetails(d.method, d.timeout, md, d.credentials, d.wait_for_ready)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -31,7 +31,10 @@ def frozen_table_chunks(table: object, name: str, namespace: str = "", source: s
 
     def varint_bytes(values: np.ndarray) -> np.ndarray:  # protobuf's packed size of each non-negative value
         v = np.asarray(values).astype(np.uint64)
-        return 1 + sum((v >> np.uint64(7 * k) > 0).astype(np.int64) for k in range(1, 10))
+        size = np.ones(v.shape, dtype=np.int64)
+        for k in range(1, 10):
+            size += v >> np.uint64(7 * k) > 0
+        return size
 
     size = varint_bytes(followers).reshape(-1, fl).sum(axis=1) + varint_bytes(arrays["counts"])  # (F,)
     held = np.concatenate([[0], np.cumsum(size)])[offsets]  # (L + 1,) follower bytes before each leader
@@ -85,7 +88,8 @@ def table_from_chunks(chunks: Iterable[pb.FrozenTableChunk]) -> tuple[str, str, 
         if counts.size != total or followers.size != total * first.follower_len:
             raise InvalidArgument(f"chunk {i}: fanout adds up to {total} followers but it holds {counts.size} "
                                   f"counts and {followers.size} follower ids ({first.follower_len} per follower)")
-        for name, arr in zip(parts, (leaders, fanout, followers, counts)):
+        chunk_arrays: tuple[np.ndarray, ...] = (leaders, fanout, followers, counts)
+        for name, arr in zip(parts, chunk_arrays, strict=True):
             parts[name].append(arr)
     if first is None:
         raise InvalidArgument("empty stream: no table chunks")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
+import numpy as np
+
+TokenIds = Sequence[int] | np.ndarray
+"""Token ids as callers pass them: a sequence of ints or a (n,) integer array."""
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -40,7 +44,7 @@ class DraftTree:
     def children(self) -> dict[int, dict[int, int]]:
         """Map parent index (-1 for the root) to {token: child index}."""
         out: dict[int, dict[int, int]] = {}
-        for i, (tok, p) in enumerate(zip(self.token_ids, self.parents)):
+        for i, (tok, p) in enumerate(zip(self.token_ids, self.parents, strict=True)):
             out.setdefault(p, {})[tok] = i
         return out
 
@@ -52,7 +56,7 @@ class DraftTree:
             node = self.parents[node]
         return toks[::-1]
 
-    def subtree(self, node: int) -> "DraftTree":
+    def subtree(self, node: int) -> DraftTree:
         """The part of the tree strictly below ``node``, re-rooted there (probabilities rescaled)."""
         keep: dict[int, int] = {node: -1}
         toks: list[int] = []
@@ -71,7 +75,7 @@ class DraftTree:
                     srcs.append(self.sources[i])
         return DraftTree(tuple(toks), tuple(parents), tuple(probs), float(sum(probs)), tuple(srcs))
 
-    def prefix(self, n: int) -> "DraftTree":
+    def prefix(self, n: int) -> DraftTree:
         """The first ``n`` nodes: still a tree, since every parent comes before its children."""
         if n >= len(self.token_ids):
             return self
@@ -89,7 +93,7 @@ class DraftTree:
         assert len(self.parents) == n and len(self.probs) == n, "array lengths differ"
         assert not self.sources or len(self.sources) == n, "sources length differs"
         seen: set[tuple[int, int]] = set()
-        for i, (tok, p) in enumerate(zip(self.token_ids, self.parents)):
+        for i, (tok, p) in enumerate(zip(self.token_ids, self.parents, strict=True)):
             assert -1 <= p < i, f"node {i} has parent {p}"
             assert tok >= 0, f"node {i} has negative token {tok}"
             assert (p, tok) not in seen, f"duplicate sibling token {tok} under {p}"
@@ -159,7 +163,7 @@ def merge_trees(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
     index: dict[tuple[int, int], int] = {}
     for tree in (first, second):
         local: list[int] = []  # this tree's node -> merged node
-        for i, (tok, p) in enumerate(zip(tree.token_ids, tree.parents)):
+        for i, (tok, p) in enumerate(zip(tree.token_ids, tree.parents, strict=True)):
             parent = local[p] if p >= 0 else -1
             key = (parent, tok)
             j = index.get(key)

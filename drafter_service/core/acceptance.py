@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import array
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 # Evidence keys are small integers laid out in four blocks (shared with the native tree builder):
 #   rows      (kind 0 session / 1 store) x match bucket x share bucket x count bucket

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from drafter_service.api.tree import DraftTree
 from drafter_service.core.config import CardSettings
 
@@ -16,9 +18,13 @@ class ModelSession(Protocol):
         """The cache's best paths within ``budget`` nodes (an empty tree when it has none)."""
         ...
 
-    def correct(self, accepted: Sequence[int]) -> bool | None:
+    def correct(self, accepted: Sequence[int] | np.ndarray) -> bool | None:
         """Prune the cache to what ``accepted`` verified; whether its top path guessed the next token (None: no
         guess)."""
+        ...
+
+    def settle(self, timeout: float = 60.0) -> None:
+        """Wait until the model has caught up with the last correction (for reproducible benchmarks)."""
         ...
 
 
@@ -34,7 +40,7 @@ class ModelDrafts(Protocol):
         """Sessions with a live cache."""
         ...
 
-    def open(self, prompt: Sequence[int], name: str = "card") -> ModelSession | None:
+    def open(self, prompt: Sequence[int] | np.ndarray, name: str = "card") -> ModelSession | None:
         """Start a cache for a request (None when the model cannot draft for it)."""
         ...
 

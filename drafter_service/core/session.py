@@ -60,7 +60,7 @@ def path_sources(tree: DraftTree, tokens: Sequence[int], n: int) -> tuple[str, .
     if n <= 0:
         return ()
     sources, node, want = tree.sources, -1, tokens[0]
-    for i, (tok, parent) in enumerate(zip(tree.token_ids, tree.parents)):
+    for i, (tok, parent) in enumerate(zip(tree.token_ids, tree.parents, strict=True)):
         if parent == node and tok == want:
             out.append(sources[i] if sources else "")
             if len(out) == n:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import heapq
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from types import ModuleType
+from typing import Protocol
 
 import numpy as np
 
@@ -16,6 +18,7 @@ Evidence = tuple[Sequence[int], Sequence[int], Sequence[float]]
 """Why each node was proposed: (offsets (n + 1,), keys, priors); node i's evidence is
 ``keys[offsets[i]:offsets[i + 1]]`` with the priors used for them."""
 
+_native: ModuleType | None
 try:
     from drafter_service.core import _tree as _native
 except ImportError:  # the extension is optional: the Python builder below is the reference
@@ -44,7 +47,7 @@ class RowsSource:
 
     kind: int
     match_len: int
-    rows: "np.ndarray"  # (k, depth) int32, -1 padded
+    rows: np.ndarray  # (k, depth) int32, -1 padded
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ import logging
 import os
 import pathlib
 import tempfile
+from collections.abc import Iterator
 from importlib.resources.abc import Traversable
-from typing import Iterator
 
 logger = logging.getLogger(__name__)
 

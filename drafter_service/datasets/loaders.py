@@ -7,9 +7,10 @@ import json
 import logging
 import pathlib
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
-from typing import Iterable, Iterator, TextIO
+from typing import TextIO
 
 import numpy as np
 
@@ -206,7 +207,7 @@ def _mtbench_requests(folder: Traversable) -> Iterator[_RawRequest]:
         if qid not in answers or len(answers[qid]) < len(q["turns"]):
             raise ValueError(f"MT-Bench question {qid} has no recorded answer for every turn")
         context = VICUNA_SYSTEM + " "
-        for turn, (question, answer) in enumerate(zip(q["turns"], answers[qid]), start=1):
+        for turn, (question, answer) in enumerate(zip(q["turns"], answers[qid], strict=False), start=1):
             if not answer.endswith("</s>"):
                 answer += "</s>"
             context += f"USER: {question} ASSISTANT:"
@@ -281,9 +282,9 @@ def _sharegpt_requests() -> Iterator[_RawRequest]:
             texts = [f"<|im_start|>{_SHAREGPT_ROLES.get(speaker, 'user')}\n{text}<|im_end|>\n"
                      for _, speaker, text in turns]
             encoded = _encode_all(texts + [turns[i][2] + "<|im_end|>" for i in answers])
-            outputs = dict(zip(answers, encoded[len(turns):]))
+            outputs = dict(zip(answers, encoded[len(turns):], strict=True))
             history = np.zeros(0, dtype=np.int32)  # (h,) int32, at most MAX_PROMPT_TOKENS
-            for k, (msg_index, speaker, _) in enumerate(turns):
+            for k, (msg_index, _speaker, _) in enumerate(turns):
                 if k in outputs:
                     prompt = np.concatenate([history, header])[-MAX_PROMPT_TOKENS:]
                     yield f"sharegpt-{index:05d}-{msg_index}", prompt, outputs[k]

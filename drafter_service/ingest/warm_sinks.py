@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 import numpy as np
@@ -59,7 +60,7 @@ class GrpcSink:
 
     def __init__(self, address: str, namespace: str = "", skip_duplicates: bool = True, timeout: float = 300.0,
                  retries: int = 5, max_message_bytes: int = 64 << 20,
-                 security: "ClientSecurity | None" = None) -> None:
+                 security: ClientSecurity | None = None) -> None:
         """Connect and read the namespace's vocabulary size with GetStats (``security``: TLS and token).
 
         Raises:
@@ -113,7 +114,7 @@ class GrpcSink:
 class ServiceSink:
     """Calls ``DrafterService.ingest`` in the same process (the service's own folder-watch job)."""
 
-    def __init__(self, service: "DrafterService", namespace: str = "", skip_duplicates: bool = True) -> None:
+    def __init__(self, service: DrafterService, namespace: str = "", skip_duplicates: bool = True) -> None:
         ns = service.namespace(namespace)
         self.service, self.namespace, self.skip_duplicates = service, ns.name, skip_duplicates
         self.vocab_size = int(ns.drafter.config.vocab_size)

@@ -37,12 +37,12 @@ class DurableLog:
 
     Args:
         name: the namespace's name (for messages).
-        persistence: its Redis persistence.
+        persistence: its Redis persistence (None: memory only; then there is nothing to spool or follow).
         store: puts a logged request into memory: ``store(document, prompt length or None)``.
         sync_frozen: reloads frozen tables changed by other replicas; returns their names.
     """
 
-    def __init__(self, name: str, persistence: RedisPersistence,
+    def __init__(self, name: str, persistence: RedisPersistence | None,
                  store: Callable[[np.ndarray, int | None], None], sync_frozen: Callable[[], list[str]]) -> None:
         self.name = name
         self.persistence = persistence

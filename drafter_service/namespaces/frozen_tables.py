@@ -30,7 +30,7 @@ class FrozenTables:
         info: name -> header (name, source, saved_at, leader_len, follower_len, leaders, followers).
     """
 
-    def __init__(self, namespace: str, drafter: "Drafter", persistence: "RedisPersistence | None") -> None:
+    def __init__(self, namespace: str, drafter: Drafter, persistence: RedisPersistence | None) -> None:
         self.namespace = namespace
         self.drafter = drafter
         self.persistence = persistence

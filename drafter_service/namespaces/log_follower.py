@@ -82,13 +82,13 @@ class LogFollower:
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
-    def attach(self) -> "LogFollower":
+    def attach(self) -> LogFollower:
         """Take the namespace's own appends (they now keep log order) without starting the thread (``poll``
         then steps by hand)."""
         self.log.follower = self
         return self
 
-    def start(self) -> "LogFollower":
+    def start(self) -> LogFollower:
         """Attach to the namespace and start following."""
         self.attach()
         self._thread = threading.Thread(target=self._run, name=f"follow-{self.log.name}", daemon=True)
@@ -122,7 +122,7 @@ class LogFollower:
         Called with the namespace's write lock held, after the append and before the documents enter the
         store; ``ids`` are the append's stream ids (None for duplicates left out).
         """
-        own = [(sid, doc) for sid, (doc, _) in zip(ids, docs) if sid is not None]
+        own = [(sid, doc) for sid, (doc, _) in zip(ids, docs, strict=True) if sid is not None]
         if not own:
             return
         ns = self.log
@@ -141,7 +141,7 @@ class LogFollower:
                          "following from the new end", ns.name, ns.position, before)
         ns.position = own[-1][0]
 
-    def _remember(self, ids: "Sequence[str] | object") -> None:
+    def _remember(self, ids: Sequence[str] | object) -> None:
         if len(self._own) > MAX_OWN:
             logger.error("namespace %s: %d own entries wait out of order; forgetting them (they may be stored "
                          "twice)", self.log.name, len(self._own))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from drafter_service.api.errors import InvalidArgument, NotFound, Unavailable
-from drafter_service.api.tree import EMPTY_TREE, DraftTree
+from drafter_service.api.tree import EMPTY_TREE, DraftTree, TokenIds
 from drafter_service.core.config import DrafterConfig
 from drafter_service.core.drafter import Drafter
 from drafter_service.core.model_drafts import ModelDrafts
@@ -34,7 +35,7 @@ class Namespace:
     enters the in-memory store, so a failed write changes nothing.
     """
 
-    def __init__(self, name: str, config: DrafterConfig, persistence: "RedisPersistence | None",
+    def __init__(self, name: str, config: DrafterConfig, persistence: RedisPersistence | None,
                  draft_model: ModelDrafts | None = None) -> None:
         self.name = name
         self.drafter = Drafter(config, draft_model)
@@ -48,8 +49,8 @@ class Namespace:
         self.spool: SpoolingLog | None = None  # set at start-up: holds requests while Redis cannot
 
     @classmethod
-    def create(cls, name: str, base: DrafterConfig, vocab_size: int, persistence: "RedisPersistence | None",
-               draft_model: ModelDrafts | None = None) -> "Namespace":
+    def create(cls, name: str, base: DrafterConfig, vocab_size: int, persistence: RedisPersistence | None,
+               draft_model: ModelDrafts | None = None) -> Namespace:
         """A namespace whose core uses ``base`` with this namespace's vocabulary size."""
         return cls(name, replace(base, vocab_size=vocab_size), persistence, draft_model)
 
@@ -174,7 +175,7 @@ class Namespace:
             self.drafter.finish(sess, accepted, document=doc)
         return int(doc.size)
 
-    def ingest(self, requests: Sequence[tuple[Sequence[int], Sequence[int], str]],
+    def ingest(self, requests: Sequence[tuple[TokenIds, TokenIds, str]],
                skip_duplicates: bool = False) -> tuple[int, int, int]:
         """Validate every request first (one bad request refuses the call), persist them all, then store them.
 
@@ -196,7 +197,7 @@ class Namespace:
         with self._write_lock:
             appended = self._persist(docs, prompt_lens, skip_duplicates)
             stored = tokens = 0
-            for (doc, _), plen, sid in zip(docs, prompt_lens, appended):
+            for (doc, _), plen, sid in zip(docs, prompt_lens, appended, strict=True):
                 if sid is not None:
                     self.drafter.add_document(doc, prompt_len=plen)
                     stored += 1

@@ -121,7 +121,7 @@ class SpoolingLog:
         ids: list[str | None] = []
         records: list[SpoolRecord] = []
         keys: set[bytes] = set()
-        for i, ((tokens, request_id), plen) in enumerate(zip(docs, prompt_lens)):
+        for i, ((tokens, request_id), plen) in enumerate(zip(docs, prompt_lens, strict=True)):
             blob = np.asarray(tokens, dtype="<i4").tobytes()
             id_key, hash_key = duplicate_keys(blob, plen, request_id)
             mine = {k for k in (id_key, hash_key) if k}
@@ -176,6 +176,7 @@ class SpoolingLog:
         while True:
             with self.log.write_lock:
                 spool = self._spool
+                assert spool is not None  # holding
                 records, end = spool.read(self._drained, BATCH)
                 if not records:
                     spool.truncate()
@@ -280,6 +281,7 @@ class SpoolingLog:
         except Exception as exc:
             logger.warning("namespace %s: final drain failed: %s", self.log.name, exc)
         if self.holding:
+            assert self._spool is not None
             logger.warning("namespace %s: %d acknowledged requests stay in %s; the next start moves them to Redis",
                            self.log.name, self.held, self._spool.path)
             self._spool.close()

@@ -25,7 +25,7 @@ class PersistenceHealth:
     stays SERVING, since drafts are served from memory either way.
     """
 
-    def __init__(self, service: "DrafterService", servicer: health.HealthServicer | None = None) -> None:
+    def __init__(self, service: DrafterService, servicer: health.HealthServicer | None = None) -> None:
         self.service = service
         self.servicer = servicer
         self.healthy = True

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import fields
-from typing import Iterator
 
 import grpc
 import numpy as np

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _logged(name: str, fn: Callable[[], None]) -> Callable[[], None]:
+def _logged(name: str, fn: Callable[[], object]) -> Callable[[], None]:
     def run() -> None:
         try:
             fn()
@@ -25,8 +26,8 @@ def _logged(name: str, fn: Callable[[], None]) -> Callable[[], None]:
 
 
 def start_jobs(service: DrafterService, rebuild_interval_s: float, snapshot_interval_s: float,
-               health: Callable[[], None] | None = None, metrics: Callable[[], object] | None = None,
-               metrics_interval_s: float = 5.0, warm: "FolderWatch | None" = None,
+               health: Callable[[], object] | None = None, metrics: Callable[[], object] | None = None,
+               metrics_interval_s: float = 5.0, warm: FolderWatch | None = None,
                health_interval_s: float = 2.0) -> BackgroundScheduler:
     """Start the scheduler: rebuild due suffix indexes, snapshot tables, check health, roll up metrics.
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from drafter_service.api.errors import InvalidArgument, NotFound
 from drafter_service.api.names import DEFAULT_NAMESPACE, check_name
-from drafter_service.api.tree import DraftTree
+from drafter_service.api.tree import DraftTree, TokenIds
 from drafter_service.core.session import DraftSession
 from drafter_service.namespaces.namespace import Namespace
 from drafter_service.namespaces.stats import NamespaceStats
@@ -21,10 +21,11 @@ from drafter_service.service.session_routes import SessionRoutes
 
 if TYPE_CHECKING:
     from store.frozen_table import FrozenNGramTable
+    from store.persistence import RedisPersistence
 
 logger = logging.getLogger(__name__)
 
-PersistenceFactory = Callable[[str, int], object]
+PersistenceFactory = Callable[[str, int], RedisPersistence | None]
 """(namespace name, vocab size) -> a persistence object for it, or None for memory only."""
 
 
@@ -40,6 +41,7 @@ class DrafterService:
             from drafter_service.model.card import load_drafts
 
             ns_spec = config.namespace(model_spec.namespace)
+            assert ns_spec is not None  # ServiceConfig refuses draft models of undeclared namespaces
             drafts[model_spec.namespace] = load_drafts(model_spec, ns_spec.vocab_size)
         for spec in config.namespaces:
             store = persistence(spec.name, spec.vocab_size) if persistence is not None else None
@@ -101,7 +103,7 @@ class DrafterService:
             raise NotFound(f"unknown namespace {name!r}")
         return found
 
-    def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
+    def _check_tokens(self, tokens: TokenIds, what: str) -> None:
         if len(tokens) > self.config.max_request_tokens:
             raise InvalidArgument(f"{what} holds {len(tokens)} tokens, more than the limit "
                                   f"{self.config.max_request_tokens}")
@@ -163,7 +165,7 @@ class DrafterService:
         self.sessions.close(caller or TRUSTED, session_id)
         return stored
 
-    def ingest(self, namespace: str, requests: Sequence[tuple[Sequence[int], Sequence[int], str]],
+    def ingest(self, namespace: str, requests: Sequence[tuple[TokenIds, TokenIds, str]],
                skip_duplicates: bool = False, caller: Caller | None = None) -> tuple[int, int, int]:
         """Store completed requests durably; returns (requests stored, tokens, duplicates skipped).
 
