@@ -18,10 +18,10 @@ from drafter_service.namespaces.stats import NamespaceStats
 from drafter_service.service.auth import TRUSTED, Authorizer, Caller
 from drafter_service.service.config import ServiceConfig
 from drafter_service.service.session_routes import SessionRoutes
+from store.persistence import RedisPersistence
 
 if TYPE_CHECKING:
     from store.frozen_table import FrozenNGramTable
-    from store.persistence import RedisPersistence
 
 logger = logging.getLogger(__name__)
 
