@@ -1,12 +1,13 @@
 # make run: install into .venv and start the service (embedded Redis, data in ./drafter-data).
 # make test: install everything into .venv and run the test suite.
+# make lint: ruff over the repository and mypy over the source packages (settings in pyproject.toml).
 # make demo: the reference engine on a few prompts, with and without drafter.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test demo bench-peers bench clean browser
+.PHONY: run test lint demo bench-peers bench clean browser
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -24,6 +25,10 @@ run: $(STAMP)
 
 test: $(STAMP) browser
 	DRAFTER_REQUIRE_BROWSER=1 $(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # The dashboard test drives Debian's headless Chromium: install chromium and chromium-driver when they are missing
 # (apt-get as root, or through password-less sudo).
@@ -56,4 +61,4 @@ bench: $(STAMP)
 	$(VENV)/bin/drafter bench replay --dataset mtbench --dataset sharegpt --dataset humaneval --budget 32 --budget 8
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache
