@@ -1,5 +1,6 @@
 # make run: install into .venv and start the service (embedded Redis, data in ./drafter-data).
 # make test: install everything into .venv, check lint, types and import layers, and run the test suite.
+# make lint: ruff, mypy and the import-layer contracts (settings in pyproject.toml).
 # make demo: the reference engine on a few prompts, with and without drafter.
 PYTHON ?= python3.11
 VENV := .venv
@@ -62,4 +63,4 @@ bench: $(STAMP)
 	$(VENV)/bin/drafter bench replay --dataset mtbench --dataset sharegpt --dataset humaneval --budget 32 --budget 8
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache

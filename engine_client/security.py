@@ -151,19 +151,21 @@ def _aio_interceptors(metadata: tuple[tuple[str, str], ...]) -> list:
         return grpc.aio.ClientCallDetails(d.method, d.timeout, md, d.credentials, d.wait_for_ready)
 
     class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-        async def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: ANN001
+        async def intercept_unary_unary(self, continuation: Callable, client_call_details: Any, request: Any) -> Any:
             return await continuation(details(client_call_details), request)
 
     class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-        async def intercept_unary_stream(self, continuation, client_call_details, request):  # noqa: ANN001
+        async def intercept_unary_stream(self, continuation: Callable, client_call_details: Any, request: Any) -> Any:
             return await continuation(details(client_call_details), request)
 
     class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-        async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # noqa: ANN001
+        async def intercept_stream_unary(self, continuation: Callable, client_call_details: Any,
+                                         request_iterator: Any) -> Any:
             return await continuation(details(client_call_details), request_iterator)
 
     class StreamStream(grpc.aio.StreamStreamClientInterceptor):
-        async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # noqa: ANN001
+        async def intercept_stream_stream(self, continuation: Callable, client_call_details: Any,
+                                          request_iterator: Any) -> Any:
             return await continuation(details(client_call_details), request_iterator)
 
     return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]

@@ -14,8 +14,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent(parent_pid: int):
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     """A ``preexec_fn`` that asks Linux to SIGTERM the child when the forking thread's process dies."""
     def preexec() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -80,7 +82,7 @@ def _launch_loop(requests: queue.SimpleQueue) -> None:
             done.set_exception(exc)
 
 
-def _popen_from_lasting_thread(*args, **kwargs) -> subprocess.Popen:
+def _popen_from_lasting_thread(*args: Any, **kwargs: Any) -> subprocess.Popen:
     """``subprocess.Popen`` run by a thread that lives as long as the process.
 
     Linux sends the parent-death signal when the *thread* that forked the child exits, so a server
@@ -263,7 +265,7 @@ class EmbeddedRedis:
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def __repr__(self) -> str:

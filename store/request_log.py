@@ -126,7 +126,7 @@ class SeenKeys:
         self._keys: set[bytes] = set()
         self._end = 0  # ring slots given so far, for stream-like ids
 
-    def append(self, docs: list[tuple[np.ndarray, str | None]], prompt_lens: Sequence[int | None],
+    def append(self, docs: Sequence[tuple[np.ndarray, str | None]], prompt_lens: Sequence[int | None],
                skip_duplicates: bool = False) -> list[str | None]:
         """Record ``docs``; returns an id per request, None for each duplicate left out."""
         out: list[str | None] = []

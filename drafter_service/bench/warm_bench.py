@@ -10,12 +10,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from drafter_service.bench.serve_bench import ServiceProcess
 from drafter_service.datasets.loaders import Request, load_dataset
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from drafter_service.api.drafter.v1 import drafter_pb2 as pb
+    from drafter_service.ingest.text_tokenizer import TextTokenizer
+    from drafter_service.ingest.warm_sinks import Reply
 
 _SUMMARY = re.compile(r"warmed (\d+) requests \((\d+) tokens\).*?(\d+) skipped as duplicates")
 
@@ -54,13 +63,13 @@ def write_token_log(path: Path, requests: list[Request], tokens: int) -> tuple[i
     return n, total
 
 
-def write_text_log(path: Path, requests: list[Request], tokenizer: object) -> list[str]:
+def write_text_log(path: Path, requests: list[Request], tokenizer: Tokenizer) -> list[str]:
     """Write requests decoded to text (``prompt`` / ``completion``); returns the texts in encoding order."""
     texts: list[str] = []
     with open(path, "w", encoding="utf-8") as f:
         for r in requests:
-            prompt = tokenizer.decode(r.prompt.tolist(), skip_special_tokens=False)  # type: ignore[attr-defined]
-            output = tokenizer.decode(r.output.tolist(), skip_special_tokens=False)  # type: ignore[attr-defined]
+            prompt = tokenizer.decode(r.prompt.tolist(), skip_special_tokens=False)
+            output = tokenizer.decode(r.output.tolist(), skip_special_tokens=False)
             f.write(json.dumps({"request_id": r.request_id, "prompt": prompt, "completion": output}) + "\n")
             texts += [prompt, output]
     return texts
@@ -143,7 +152,7 @@ class _NullSink:
 
     namespace, target, vocab_size, max_request_tokens = "default", "null", 1 << 31, 1 << 20
 
-    def submit(self, requests):
+    def submit(self, requests: Sequence[pb.Sequence]) -> Reply:
         tokens = sum(len(r.prompt) + len(r.output) for r in requests)
         return lambda: (len(requests), tokens, 0)
 
@@ -151,10 +160,10 @@ class _NullSink:
         pass
 
 
-def _reader_alone(path: Path, tokenizer: object = None) -> float:
+def _reader_alone(path: Path, tokenizer: TextTokenizer | None = None) -> float:
     """Tokens/s of ``Warmer`` reading ``path`` into a sink that does nothing, in this process."""
     from drafter_service.ingest.warm import Warmer
 
     t0 = time.perf_counter()
-    done = Warmer(_NullSink(), tokenizer, progress=False).warm_file(path)  # type: ignore[arg-type]
+    done = Warmer(_NullSink(), tokenizer, progress=False).warm_file(path)
     return done.tokens / (time.perf_counter() - t0)

@@ -8,9 +8,14 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from drafter_service.cli.client_flags import add_client_flags, security_from_args
 from drafter_service.service.config import ServiceConfig
+
+if TYPE_CHECKING:
+    from drafter_service.ingest.text_tokenizer import TextTokenizer
+    from drafter_service.ingest.warm import Warmer, WarmStats
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +54,7 @@ def add_warm_command(sub: argparse._SubParsersAction) -> None:
     wp.set_defaults(func=run_warm)
 
 
-def _load_tokenizer(args: argparse.Namespace):
+def _load_tokenizer(args: argparse.Namespace) -> TextTokenizer | None:
     from drafter_service.ingest.text_tokenizer import TextTokenizer, TokenizerError
 
     if not args.tokenizer:
@@ -118,7 +123,7 @@ def run_warm(args: argparse.Namespace) -> int:
     return 0 if total.requests or total.skipped or not total.malformed else 1
 
 
-def _watch(warmer, args: argparse.Namespace, stop: threading.Event):
+def _watch(warmer: Warmer, args: argparse.Namespace, stop: threading.Event) -> WarmStats:
     """Scan now and every interval until a signal; returns the totals."""
     from apscheduler.schedulers.background import BackgroundScheduler
 

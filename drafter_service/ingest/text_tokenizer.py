@@ -14,6 +14,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     import jinja2
+    from tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +32,11 @@ class TextTokenizer:
         chat_template: the Jinja chat template of the folder's tokenizer_config.json, or None.
     """
 
-    def __init__(self, tokenizer: object, path: str, chat_template: str | None = None,
+    def __init__(self, tokenizer: Tokenizer, path: str, chat_template: str | None = None,
                  special_tokens: dict[str, str] | None = None) -> None:
         self._tok = tokenizer
         self.path = path
-        self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))  # type: ignore[attr-defined]
+        self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
 
@@ -108,7 +109,7 @@ class TextTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids of each text, (k,) int32 each; nothing is added, special token strings map to their ids."""
-        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)  # type: ignore[attr-defined]
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
 
     def encode(self, text: str) -> np.ndarray:
