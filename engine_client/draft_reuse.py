@@ -38,6 +38,19 @@ def tree_of(resp: pb.DraftResponse) -> DraftTree:
                      tuple(_SOURCE_NAMES.get(s, "") for s in resp.sources))
 
 
+def trees_of_batch(resp: pb.DraftBatchResponse) -> list[DraftTree]:
+    """The DraftTree of every step of a DraftBatchResponse, in order (a failed step's tree is empty)."""
+    offsets = list(resp.tree_offsets)
+    tokens, parents, probs = list(resp.token_ids), list(resp.parents), list(resp.probs)
+    names = [_SOURCE_NAMES.get(s, "") for s in resp.sources]
+    out = []
+    for start, stop in itertools.pairwise(offsets):
+        p = tuple(probs[start:stop])
+        out.append(DraftTree(tuple(tokens[start:stop]), tuple(parents[start:stop]), p, float(sum(p)),
+                             tuple(names[start:stop])) if stop > start else EMPTY_TREE)
+    return out
+
+
 def descend(tree: DraftTree, tokens: Sequence[int]) -> int | None:
     """Index of the node reached by following ``tokens`` down from the root (-1: none), None when off the tree."""
     node = -1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator
 from dataclasses import fields
 
@@ -14,8 +15,12 @@ from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from drafter_service.api.frozen_wire import table_from_chunks
 from drafter_service.api.tree import DraftTree
 from drafter_service.namespaces.stats import NamespaceStats
+from drafter_service.rpc.interceptor import status_of
 from drafter_service.service.auth import Caller
+from drafter_service.service.batch import BatchOutcome
 from drafter_service.service.service import DrafterService
+
+logger = logging.getLogger(__name__)
 
 _SOURCES = {"session": pb.SOURCE_SESSION, "store": pb.SOURCE_STORE, "dynamic": pb.SOURCE_DYNAMIC,
             "frozen": pb.SOURCE_FROZEN, "model": pb.SOURCE_MODEL, "repeat": pb.SOURCE_REPEAT}
@@ -26,6 +31,32 @@ def tree_message(tree: DraftTree, confirmed: int) -> pb.DraftResponse:
     return pb.DraftResponse(token_ids=tree.token_ids, parents=tree.parents, probs=tree.probs, score=tree.score,
                             sources=[_SOURCES.get(s, pb.SOURCE_UNSPECIFIED) for s in tree.sources],
                             confirmed=confirmed)
+
+
+def _item_errors(errors: list[tuple[int, Exception]], what: str) -> list[pb.ItemError]:
+    out = []
+    for index, exc in errors:
+        code, message = status_of(exc)
+        if code is grpc.StatusCode.INTERNAL:  # a bug, not a bad item: logged like any call that failed so
+            logger.error("DraftBatch %s %d failed", what, index, exc_info=exc)
+        out.append(pb.ItemError(index=index, code=code.value[0], message=message))
+    return out
+
+
+def batch_message(outcome: BatchOutcome) -> pb.DraftBatchResponse:
+    """A DraftBatchResponse: the steps' trees packed one after another, then what failed."""
+    trees = outcome.trees
+    offsets = [0, *itertools.accumulate(len(t) for t in trees)]
+    sources = _SOURCES
+    return pb.DraftBatchResponse(
+        tree_offsets=offsets, token_ids=list(itertools.chain.from_iterable(t.token_ids for t in trees)),
+        parents=list(itertools.chain.from_iterable(t.parents for t in trees)),
+        probs=list(itertools.chain.from_iterable(t.probs for t in trees)),
+        sources=[sources.get(s, pb.SOURCE_UNSPECIFIED) if s else pb.SOURCE_UNSPECIFIED
+                 for t in trees for s in (t.sources or ("",) * len(t))],
+        confirmed=outcome.confirmed, stored_tokens=outcome.stored,
+        start_errors=_item_errors(outcome.start_errors, "start"),
+        step_errors=_item_errors(outcome.step_errors, "step"), end_errors=_item_errors(outcome.end_errors, "end"))
 
 
 def stats_message(stats: NamespaceStats) -> pb.GetStatsResponse:
@@ -70,6 +101,23 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                     request.report_only, request.step_seconds, request.plain_step_seconds,
                                     caller=caller)
             yield tree_message(tree, confirmed)
+
+    def DraftBatch(self, request: pb.DraftBatchRequest, context: grpc.ServicerContext) -> pb.DraftBatchResponse:
+        return self._batch(request, self._caller(context))
+
+    def DraftBatchStream(self, requests: Iterator[pb.DraftBatchRequest], context: grpc.ServicerContext
+                         ) -> Iterator[pb.DraftBatchResponse]:
+        caller = self._caller(context)
+        for request in requests:
+            yield self._batch(request, caller)
+
+    def _batch(self, request: pb.DraftBatchRequest, caller: Caller) -> pb.DraftBatchResponse:
+        outcome = self.service.draft_batch(
+            [(s.namespace, s.session_id, s.prompt, s.max_nodes) for s in request.start],
+            [(s.session_id, s.accepted, s.max_nodes, s.report_only) for s in request.steps],
+            [(e.session_id, e.accepted) for e in request.end],
+            request.max_nodes, request.step_seconds, request.plain_step_seconds, caller=caller)
+        return batch_message(outcome)
 
     def EndSession(self, request: pb.EndSessionRequest, context: grpc.ServicerContext) -> pb.EndSessionResponse:
         return pb.EndSessionResponse(stored_tokens=self.service.end_session(request.session_id,

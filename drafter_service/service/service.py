@@ -11,11 +11,12 @@ import numpy as np
 
 from drafter_service.api.errors import InvalidArgument, NotFound
 from drafter_service.api.names import DEFAULT_NAMESPACE, check_name
-from drafter_service.api.tree import DraftTree, TokenIds
+from drafter_service.api.tree import EMPTY_TREE, DraftTree, TokenIds
 from drafter_service.core.session import DraftSession
 from drafter_service.namespaces.namespace import Namespace
 from drafter_service.namespaces.stats import NamespaceStats
 from drafter_service.service.auth import TRUSTED, Authorizer, Caller
+from drafter_service.service.batch import BatchEnd, BatchOutcome, BatchStart, BatchStep, sizes
 from drafter_service.service.config import ServiceConfig
 from drafter_service.service.session_routes import SessionRoutes
 from store.persistence import RedisPersistence
@@ -108,7 +109,7 @@ class DrafterService:
             raise InvalidArgument(f"{what} holds {len(tokens)} tokens, more than the limit "
                                   f"{self.config.max_request_tokens}")
 
-    def _accepted(self, ns: Namespace, sess: DraftSession, session_id: str, accepted: Sequence[int]) -> np.ndarray:
+    def _accepted(self, ns: Namespace, sess: DraftSession, session_id: str, accepted: TokenIds) -> np.ndarray:
         """``accepted`` (already within ``_check_tokens``) checked against the session's growth and the namespace's
         vocabulary, and converted to int32 once.
 
@@ -121,13 +122,19 @@ class DrafterService:
                                   f"{self.config.max_request_tokens}")
         return ns.drafter.tokens(accepted, "accepted")
 
+    @staticmethod
+    def _check_step_times(step_seconds: float, plain_step_seconds: float) -> None:
+        for name, value in (("step_seconds", step_seconds), ("plain_step_seconds", plain_step_seconds)):
+            if not 0.0 <= value <= 3600.0:  # also refuses NaN
+                raise InvalidArgument(f"{name} must be in [0, 3600], got {value}")
+
     def _check_budget(self, max_nodes: int) -> None:
         if max_nodes < 0 or max_nodes > self.config.max_nodes_limit:
             raise InvalidArgument(f"max_nodes must be in [0, {self.config.max_nodes_limit}], got {max_nodes}")
 
     # -- the API --------------------------------------------------------------------------------------
 
-    def start_session(self, namespace: str, session_id: str, prompt: Sequence[int], max_nodes: int = 0,
+    def start_session(self, namespace: str, session_id: str, prompt: TokenIds, max_nodes: int = 0,
                       caller: Caller | None = None) -> Namespace:
         """Open a session in a namespace; its id is unique among the live sessions of the caller's scope."""
         ns = self.namespace(namespace, caller)  # callers without rights learn nothing more
@@ -138,7 +145,7 @@ class DrafterService:
         self.sessions.open(caller or TRUSTED, session_id, ns, lambda key: ns.drafter.start(key, prompt, max_nodes))
         return ns
 
-    def draft(self, session_id: str, accepted: Sequence[int], max_nodes: int = 0, report_only: bool = False,
+    def draft(self, session_id: str, accepted: TokenIds, max_nodes: int = 0, report_only: bool = False,
               step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
               caller: Caller | None = None) -> tuple[DraftTree, int]:
         """Correct the session with ``accepted`` and draft the next tree (none when ``report_only``).
@@ -150,14 +157,54 @@ class DrafterService:
         """
         self._check_tokens(accepted, "accepted")
         self._check_budget(max_nodes)
-        for name, value in (("step_seconds", step_seconds), ("plain_step_seconds", plain_step_seconds)):
-            if not 0.0 <= value <= 3600.0:  # also refuses NaN
-                raise InvalidArgument(f"{name} must be in [0, 3600], got {value}")
+        self._check_step_times(step_seconds, plain_step_seconds)
         ns, sess = self.sessions.get(caller or TRUSTED, session_id)  # another scope's session is NOT_FOUND
         ids = self._accepted(ns, sess, session_id, accepted)
         return ns.draft(sess, ids, max_nodes, report_only, step_seconds, plain_step_seconds)
 
-    def end_session(self, session_id: str, accepted: Sequence[int], caller: Caller | None = None) -> int:
+    def draft_batch(self, starts: Sequence[BatchStart], steps: Sequence[BatchStep], ends: Sequence[BatchEnd],
+                    max_nodes: int = 0, step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
+                    caller: Caller | None = None) -> BatchOutcome:
+        """One engine step of many sessions: open ``starts``, draft for ``steps`` in order, then end ``ends``.
+
+        Each item is handled exactly as ``start_session``, ``draft`` and ``end_session`` would handle it alone, and
+        fails alone: the outcome keeps its error and the other items go on. ``max_nodes`` is the budget of every
+        step that gives none; the step times are the engine's batched step, shared by every step.
+
+        Raises:
+            InvalidArgument: the call itself is malformed (a list longer than ``max_sessions``, a bad default
+                budget or step time); nothing is done then.
+        """
+        for what, n in sizes(starts, steps, ends).items():
+            if n > self.config.max_sessions:
+                raise InvalidArgument(f"{n} items in {what}, more than the limit {self.config.max_sessions}")
+        self._check_budget(max_nodes)
+        self._check_step_times(step_seconds, plain_step_seconds)
+        who = caller or TRUSTED
+        out = BatchOutcome()
+        for i, (namespace, session_id, prompt, budget) in enumerate(starts):
+            try:
+                self.start_session(namespace, session_id, prompt, budget, caller=who)
+            except Exception as exc:  # this item alone fails; the caller reports it
+                out.start_errors.append((i, exc))
+        for i, (session_id, accepted, budget, report_only) in enumerate(steps):
+            try:
+                tree, confirmed = self.draft(session_id, accepted, budget or max_nodes, report_only, step_seconds,
+                                             plain_step_seconds, caller=who)
+            except Exception as exc:
+                tree, confirmed = EMPTY_TREE, 0
+                out.step_errors.append((i, exc))
+            out.trees.append(tree)
+            out.confirmed.append(confirmed)
+        for i, (session_id, accepted) in enumerate(ends):
+            try:
+                out.stored.append(self.end_session(session_id, accepted, caller=who))
+            except Exception as exc:
+                out.stored.append(0)
+                out.end_errors.append((i, exc))
+        return out
+
+    def end_session(self, session_id: str, accepted: TokenIds, caller: Caller | None = None) -> int:
         """Store the request durably and close its session; returns the tokens stored."""
         self._check_tokens(accepted, "accepted")
         ns, sess = self.sessions.get(caller or TRUSTED, session_id)

@@ -26,7 +26,7 @@ DOCUMENTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.
 SERVICE = "/drafter.v1.Drafter/"
 METHODS = {"StartSession": "unary", "Draft": "unary", "DraftStream": "stream_stream", "EndSession": "unary",
            "Ingest": "unary", "GetStats": "unary", "PutFrozenTable": "stream_unary", "ListFrozenTables": "unary",
-           "RemoveFrozenTable": "unary"}
+           "RemoveFrozenTable": "unary", "DraftBatch": "unary", "DraftBatchStream": "stream_stream"}
 
 # -- strategies: mostly plausible values, with the hostile ones mixed in --------------------------------------
 

@@ -49,6 +49,7 @@ from hypothesis.stateful import (
 )
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
+from engine_client.draft_reuse import trees_of_batch
 
 
 @pytest.fixture
@@ -160,6 +161,36 @@ class ApiMachine(RuleBasedStateMachine):
             assert not report_only or len(reply.token_ids) == 0
             assert 0 <= reply.confirmed <= len(accepted)
             self.trees[sid] = (tuple(reply.token_ids), tuple(reply.parents))
+
+    @rule(data=st.data(), steps=st.lists(st.tuples(TOKENS, BUDGETS, st.booleans()), max_size=6), default=BUDGETS)
+    def draft_batch(self, data, steps, default):
+        """One engine step of several sessions: each step succeeds or fails alone, in order."""
+        sids = [self._sid(data) for _ in steps]
+        request = pb.DraftBatchRequest(max_nodes=default, steps=[
+            pb.BatchStep(session_id=sid, accepted=a, max_nodes=b, report_only=r)
+            for sid, (a, b, r) in zip(sids, steps, strict=True)])
+        code, reply = self.service.call("DraftBatch",
+                                        lambda: self.service.stub.DraftBatch(request, timeout=DEADLINE_S))
+        if not 0 <= default <= LIMITS["nodes"]:
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            return
+        assert code == grpc.StatusCode.OK, code
+        failed = {e.index for e in reply.step_errors}
+        trees = trees_of_batch(reply)
+        assert len(trees) == len(steps) and len(reply.tree_offsets) == len(steps) + 1
+        for i, (sid, (accepted, budget, report_only)) in enumerate(zip(sids, steps, strict=True)):
+            valid = self._draft_valid(sid, accepted, budget or default, 0.0, 0.0)
+            assert (i not in failed) == valid, (i, valid)
+            if valid:
+                ns, out = self.live[sid]
+                self.live[sid] = (ns, out + len(accepted))
+                trees[i].check_invariants()
+                assert len(trees[i]) <= (budget or default or LIMITS["nodes"])
+                assert all(0 <= t < VOCAB[ns] for t in trees[i].token_ids)
+                assert not report_only or len(trees[i]) == 0
+                self.trees[sid] = (trees[i].token_ids, trees[i].parents)
+            else:
+                assert len(trees[i]) == 0
 
     @rule(data=st.data(), steps=st.lists(st.tuples(TOKENS, BUDGETS, st.booleans()), max_size=5))
     def draft_stream(self, data, steps):

@@ -77,6 +77,68 @@ class DraftResponse(_message.Message):
     confirmed: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., sources: _Optional[_Iterable[_Union[Source, str]]] = ..., confirmed: _Optional[int] = ...) -> None: ...
 
+class BatchStep(_message.Message):
+    __slots__ = ("session_id", "accepted", "max_nodes", "report_only")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    REPORT_ONLY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    max_nodes: int
+    report_only: bool
+    def __init__(self, session_id: _Optional[str] = ..., accepted: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., report_only: _Optional[bool] = ...) -> None: ...
+
+class DraftBatchRequest(_message.Message):
+    __slots__ = ("start", "steps", "end", "max_nodes", "step_seconds", "plain_step_seconds")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    start: _containers.RepeatedCompositeFieldContainer[StartSessionRequest]
+    steps: _containers.RepeatedCompositeFieldContainer[BatchStep]
+    end: _containers.RepeatedCompositeFieldContainer[EndSessionRequest]
+    max_nodes: int
+    step_seconds: float
+    plain_step_seconds: float
+    def __init__(self, start: _Optional[_Iterable[_Union[StartSessionRequest, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[BatchStep, _Mapping]]] = ..., end: _Optional[_Iterable[_Union[EndSessionRequest, _Mapping]]] = ..., max_nodes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., plain_step_seconds: _Optional[float] = ...) -> None: ...
+
+class ItemError(_message.Message):
+    __slots__ = ("index", "code", "message")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    code: int
+    message: str
+    def __init__(self, index: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DraftBatchResponse(_message.Message):
+    __slots__ = ("tree_offsets", "token_ids", "parents", "probs", "sources", "confirmed", "stored_tokens", "start_errors", "step_errors", "end_errors")
+    TREE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    START_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    STEP_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    END_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    tree_offsets: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    sources: _containers.RepeatedScalarFieldContainer[Source]
+    confirmed: _containers.RepeatedScalarFieldContainer[int]
+    stored_tokens: _containers.RepeatedScalarFieldContainer[int]
+    start_errors: _containers.RepeatedCompositeFieldContainer[ItemError]
+    step_errors: _containers.RepeatedCompositeFieldContainer[ItemError]
+    end_errors: _containers.RepeatedCompositeFieldContainer[ItemError]
+    def __init__(self, tree_offsets: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., sources: _Optional[_Iterable[_Union[Source, str]]] = ..., confirmed: _Optional[_Iterable[int]] = ..., stored_tokens: _Optional[_Iterable[int]] = ..., start_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ..., step_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ..., end_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ...) -> None: ...
+
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id", "accepted")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -80,6 +80,16 @@ class DrafterStub:
                 request_serializer=drafter_dot_v1_dot_drafter__pb2.RemoveFrozenTableRequest.SerializeToString,
                 response_deserializer=drafter_dot_v1_dot_drafter__pb2.RemoveFrozenTableResponse.FromString,
                 _registered_method=True)
+        self.DraftBatch = channel.unary_unary(
+                '/drafter.v1.Drafter/DraftBatch',
+                request_serializer=drafter_dot_v1_dot_drafter__pb2.DraftBatchRequest.SerializeToString,
+                response_deserializer=drafter_dot_v1_dot_drafter__pb2.DraftBatchResponse.FromString,
+                _registered_method=True)
+        self.DraftBatchStream = channel.stream_stream(
+                '/drafter.v1.Drafter/DraftBatchStream',
+                request_serializer=drafter_dot_v1_dot_drafter__pb2.DraftBatchRequest.SerializeToString,
+                response_deserializer=drafter_dot_v1_dot_drafter__pb2.DraftBatchResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -148,6 +158,21 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DraftBatch(self, request, context):
+        """One engine step for every live request at once: opens new sessions, drafts for each step's session, then ends
+        finished sessions. Each item succeeds or fails on its own (see DraftBatchResponse).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DraftBatchStream(self, request_iterator, context):
+        """The same as DraftBatch on one bidirectional stream: one response per request, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +220,16 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.RemoveFrozenTable,
                     request_deserializer=drafter_dot_v1_dot_drafter__pb2.RemoveFrozenTableRequest.FromString,
                     response_serializer=drafter_dot_v1_dot_drafter__pb2.RemoveFrozenTableResponse.SerializeToString,
+            ),
+            'DraftBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.DraftBatch,
+                    request_deserializer=drafter_dot_v1_dot_drafter__pb2.DraftBatchRequest.FromString,
+                    response_serializer=drafter_dot_v1_dot_drafter__pb2.DraftBatchResponse.SerializeToString,
+            ),
+            'DraftBatchStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DraftBatchStream,
+                    request_deserializer=drafter_dot_v1_dot_drafter__pb2.DraftBatchRequest.FromString,
+                    response_serializer=drafter_dot_v1_dot_drafter__pb2.DraftBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,6 +475,60 @@ class Drafter:
             '/drafter.v1.Drafter/RemoveFrozenTable',
             drafter_dot_v1_dot_drafter__pb2.RemoveFrozenTableRequest.SerializeToString,
             drafter_dot_v1_dot_drafter__pb2.RemoveFrozenTableResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/drafter.v1.Drafter/DraftBatch',
+            drafter_dot_v1_dot_drafter__pb2.DraftBatchRequest.SerializeToString,
+            drafter_dot_v1_dot_drafter__pb2.DraftBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftBatchStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/drafter.v1.Drafter/DraftBatchStream',
+            drafter_dot_v1_dot_drafter__pb2.DraftBatchRequest.SerializeToString,
+            drafter_dot_v1_dot_drafter__pb2.DraftBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
