@@ -14,6 +14,7 @@ import grpc
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from drafter_service.api.tree import DraftTree
+from engine_client import step_batch
 from engine_client.client_common import (
     CALLER_ERRORS,
     INGEST_BATCH,
@@ -258,6 +259,31 @@ class AsyncDrafterClient(LocalFigures):
         except ServiceDown:
             pass
         return book.empty(state)
+
+    async def draft_batch(self, items: Sequence[tuple[str, Sequence[int]]], max_nodes: int = 0,
+                          step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> list[DraftTree]:
+        """The next draft tree of every session of an engine step in one round trip. See
+        ``DrafterClient.draft_batch``."""
+        await self.connect()
+        book = self._book
+        batch = step_batch.begin(book, items, max_nodes, step_seconds, plain_step_seconds)
+        for _ in range(4 if self._backoff.ready() else 0):
+            call = step_batch.next_call(book, batch, self.namespace, max_nodes, step_seconds, plain_step_seconds)
+            if call is None:
+                break
+            try:
+                reply = await self._connected.DraftBatch(call.request, timeout=self.timeout)
+            except grpc.RpcError as exc:
+                code, details = rpc_code(exc)
+                step_batch.call_failed(book, call, code, details, definite=code in CALLER_ERRORS)
+                self._backoff.failure(f"{code}: {details}")
+                break
+            self._backoff.success()
+            down = step_batch.answered(book, batch, call, reply, max_nodes)
+            if down is not None:
+                self._backoff.failure(f"{down.code}: {down.details}")
+                break
+        return step_batch.finish(book, batch)
 
     async def end(self, session: str, accepted: Sequence[int]) -> None:
         """Close a session; stored now, or buffered until the service is back. See ``DrafterClient.end``."""

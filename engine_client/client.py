@@ -16,6 +16,7 @@ import grpc
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from drafter_service.api.tree import DraftTree
+from engine_client import step_batch
 from engine_client.client_common import (
     CALLER_ERRORS,
     INGEST_BATCH,
@@ -329,6 +330,44 @@ class DrafterClient(LocalFigures):
         except ServiceDown:
             pass
         return book.empty(state)
+
+    def draft_batch(self, items: Sequence[tuple[str, Sequence[int]]], max_nodes: int = 0,
+                    step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> list[DraftTree]:
+        """The next draft tree of every session of an engine step, in one round trip (DraftBatch) for all of them.
+
+        Each session's tree is what ``draft`` would return: a reused subtree, a fresh one, or EMPTY_TREE when the
+        service is away or slow. Sessions the service does not hold (opened while it was away, or lost by a
+        restart) are opened in the same call with every token known so far.
+
+        Args:
+            items: (session id from ``start``, tokens appended since its previous step) per session.
+            max_nodes: most nodes the engine verifies per session (0: each session's default).
+            step_seconds: time of the batched verification step that produced the tokens (passed to the service).
+            plain_step_seconds: time of a plain decode step of the batch now (0 when unknown).
+
+        Raises:
+            DrafterRequestError: an unknown or repeated session, bad token ids, budget or step time; nothing is
+                recorded then.
+        """
+        book = self._book
+        batch = step_batch.begin(book, items, max_nodes, step_seconds, plain_step_seconds)
+        for _ in range(4 if self._backoff.ready() else 0):
+            call = step_batch.next_call(book, batch, self.namespace, max_nodes, step_seconds, plain_step_seconds)
+            if call is None:
+                break
+            try:
+                reply = self._stub.DraftBatch(call.request, timeout=self.timeout)
+            except grpc.RpcError as exc:
+                code, details = rpc_code(exc)
+                step_batch.call_failed(book, call, code, details, definite=code in CALLER_ERRORS)
+                self._backoff.failure(f"{code}: {details}")
+                break
+            self._backoff.success()
+            down = step_batch.answered(book, batch, call, reply, max_nodes)
+            if down is not None:
+                self._backoff.failure(f"{down.code}: {down.details}")
+                break
+        return step_batch.finish(book, batch)
 
     def end(self, session: str, accepted: Sequence[int]) -> None:
         """Close a session with its last tokens; the whole request is stored now, or buffered until it can be.

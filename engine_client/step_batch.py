@@ -1,0 +1,128 @@
+"""One engine step of many sessions in one DraftBatch call: the bookkeeping both clients share."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from time import perf_counter_ns
+
+import grpc
+
+from drafter_service.api.drafter.v1 import drafter_pb2 as pb
+from drafter_service.api.tree import DraftTree
+from engine_client.client_common import DrafterRequestError, check_tokens
+from engine_client.draft_reuse import Pending, SessionBook, SessionState, responses_of_batch
+
+CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+"""gRPC status code names by number (DraftBatch reports an item's failure with the number)."""
+
+
+@dataclass
+class StepBatch:
+    """The sessions of one engine step: what each recorded, and its tree once known (None: still to fetch)."""
+
+    states: list[SessionState]
+    recorded: list[list[int]]
+    trees: list[DraftTree | None]
+    reports: list[int]  # reused steps whose tokens ride along with the first fetch
+    reused: bool  # some session's tree is a reused subtree
+    t0: int = field(default_factory=perf_counter_ns)
+
+
+@dataclass
+class BatchCall:
+    """One DraftBatch request and what it stands for."""
+
+    request: pb.DraftBatchRequest
+    starts: list[int]  # the session (index in the batch) of each start
+    entries: list[tuple[int, Pending]]  # the session and pending record of each step
+
+
+def begin(book: SessionBook, items: Sequence[tuple[str, Sequence[int]]], max_nodes: int, step_seconds: float,
+          plain_step_seconds: float) -> StepBatch:
+    """Check every item, then record each session's tokens and reuse what can be reused.
+
+    Raises:
+        DrafterRequestError: an unknown or repeated session, bad token ids, budget or step time (nothing recorded).
+    """
+    t0 = perf_counter_ns()
+    states = [book.get(session) for session, _ in items]
+    if len({id(state) for state in states}) != len(states):
+        raise DrafterRequestError("a session appears twice in one batch")
+    for _, accepted in items:
+        check_tokens(accepted, book.vocab_size, "accepted")
+    recorded = [book.record(state, accepted, step_seconds, max_nodes, plain_step_seconds)
+                for state, (_, accepted) in zip(states, items, strict=True)]
+    trees = [book.try_reuse(state, toks, max_nodes) for state, toks in zip(states, recorded, strict=True)]
+    reports = [i for i, tree in enumerate(trees) if tree is not None and book.can_report(states[i])]
+    return StepBatch(states, recorded, trees, reports, any(tree is not None for tree in trees), t0)
+
+
+def next_call(book: SessionBook, batch: StepBatch, namespace: str, max_nodes: int, step_seconds: float,
+              plain_step_seconds: float) -> BatchCall | None:
+    """The DraftBatch request for what is still to fetch (None: nothing), opening sessions the service lacks."""
+    todo = [i for i, tree in enumerate(batch.trees) if tree is None]
+    if not todo:  # reports ride along with fetches only; otherwise their tokens go with the next call
+        return None
+    starts, start_requests, steps, entries = [], [], [], []
+    for i in todo:
+        state = batch.states[i]
+        if book.needs_open(state):
+            request, n, reopened = book.start_request(state, namespace)
+            starts.append(i)
+            start_requests.append(request)
+            book.opened(state, n, reopened)  # taken back when the service refuses the start
+    for i in [*batch.reports, *todo]:
+        request, entry = book.draft_request(batch.states[i], max_nodes, i in batch.reports, step_seconds,
+                                            plain_step_seconds)
+        steps.append(pb.BatchStep(session_id=request.session_id, accepted=request.accepted,
+                                  max_nodes=request.max_nodes, report_only=request.report_only))
+        entries.append((i, entry))
+    batch.reports = []
+    return BatchCall(pb.DraftBatchRequest(start=start_requests, steps=steps, step_seconds=step_seconds,
+                                          plain_step_seconds=plain_step_seconds), starts, entries)
+
+
+def call_failed(book: SessionBook, call: BatchCall, code: str, details: str, definite: bool) -> None:
+    """The whole call got no answer: every step in it failed (``definite``: surely not applied)."""
+    for _, entry in call.entries:
+        book.failed(entry, code, details, definite=definite)
+
+
+def answered(book: SessionBook, batch: StepBatch, call: BatchCall, reply: pb.DraftBatchResponse,
+             max_nodes: int) -> Pending | None:
+    """Take in a DraftBatch reply: trees for the steps that got one, failures for the others.
+
+    Returns:
+        The pending record of a step whose failure means the service is down (None when it is not).
+
+    Raises:
+        DrafterRequestError: the service refused a step as the caller's fault (that step's tokens are taken back).
+    """
+    for error in reply.start_errors:
+        book.open_refused(batch.states[call.starts[error.index]], CODE_NAMES.get(error.code, "UNKNOWN"))
+    errors = {e.index: e for e in reply.step_errors}
+    for k, ((_, entry), response) in enumerate(zip(call.entries, responses_of_batch(reply), strict=True)):
+        if response is not None:
+            book.answered(entry, response)
+        else:
+            book.failed(entry, CODE_NAMES.get(errors[k].code, "UNKNOWN"), errors[k].message, culprit=True,
+                        definite=True)
+    for i, entry in call.entries:
+        if entry.report:
+            continue
+        action = book.action(entry, len(batch.recorded[i]))
+        if action == "done":
+            batch.trees[i] = book.fetched(batch.states[i], entry, max_nodes, batch.t0)
+        elif action == "down":
+            return entry
+    return None
+
+
+def finish(book: SessionBook, batch: StepBatch) -> list[DraftTree]:
+    """Every session's tree: what was reused or fetched, EMPTY_TREE for the rest."""
+    out = [book.empty(state) if tree is None else tree for state, tree in zip(batch.states, batch.trees,
+                                                                               strict=True)]
+    if batch.reused:
+        book.reused(batch.t0)
+    return out

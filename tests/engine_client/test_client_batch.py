@@ -1,0 +1,161 @@
+"""DrafterClient.draft_batch against a real service: one DraftBatch round trip per engine step for every session."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from serving import free_port
+
+from drafter_service.api.tree import accept_greedy
+from drafter_service.core.config import DrafterConfig
+from drafter_service.rpc.server import create_server
+from drafter_service.service.config import ServiceConfig
+from engine_client import AsyncDrafterClient, DrafterClient, DrafterRequestError, DrafterUnavailable
+
+VOCAB = 300
+CONFIG = ServiceConfig(drafter=DrafterConfig(capacity=1 << 16, tail_tokens=64), default_vocab_size=VOCAB,
+                       max_request_tokens=5000, max_nodes_limit=64)
+
+
+def serve(port: int = 0):
+    server, port = create_server(CONFIG, f"127.0.0.1:{port}")
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def two_addresses():
+    made = [serve(), serve()]
+    yield made[0][1], made[1][1]
+    for server, _ in made:
+        server.stop(0)
+
+
+def workload(seed: int, n: int) -> list[tuple[list[int], list[int]]]:
+    rng = np.random.default_rng(seed)
+    phrases = [rng.integers(0, 50, 7).tolist() for _ in range(6)]
+    return [([int(t) for t in rng.integers(0, 50, 6)], [int(t) for k in rng.integers(0, 6, 6) for t in phrases[k]])
+            for _ in range(n)]
+
+
+def run_engine(client: DrafterClient, requests, batched: bool, max_nodes: int = 8) -> list[list]:
+    """Generate every request at once, one engine step at a time; returns the trees of each step."""
+    sids = [client.start(p) for p, _ in requests]
+    pos, pending, steps = [0] * len(requests), [[] for _ in requests], []
+    live = list(range(len(requests)))
+    while live:
+        items = [(sids[i], pending[i]) for i in live]
+        trees = client.draft_batch(items, max_nodes) if batched else [client.draft(s, a, max_nodes) for s, a in items]
+        steps.append(trees)
+        for tree, i in zip(trees, live, strict=True):
+            tree.check_invariants(max_nodes=max_nodes)
+            output = requests[i][1]
+            n, _ = accept_greedy(tree, output[pos[i]:])
+            pending[i] = output[pos[i]:pos[i] + n + 1]
+            pos[i] += len(pending[i])
+        for i in [i for i in live if pos[i] >= len(requests[i][1])]:
+            client.end(sids[i], pending[i])
+        live = [i for i in live if pos[i] < len(requests[i][1])]
+    return steps
+
+
+def test_a_batch_gives_every_session_the_tree_draft_gives_it(two_addresses):
+    history = workload(1, 10)
+    requests = workload(2, 6)
+    results = []
+    for addr, batched in zip(two_addresses, (True, False), strict=True):
+        with DrafterClient(addr, reuse=False) as client:
+            client.ingest(history)
+            results.append(run_engine(client, requests, batched))
+            stats = client.stats()
+            assert stats["stored_requests"] == 16 and stats["active_sessions"] == 0
+    batched, single = results
+    assert batched == single
+    assert sum(len(t) for step in batched for t in step) > 0
+
+
+def test_with_reuse_the_service_still_stores_every_token(two_addresses):
+    requests = workload(3, 5)
+    with DrafterClient(two_addresses[0], reuse=True) as client:
+        client.ingest(requests)  # the same requests again: drafts are long chains, and their subtrees get reused
+        before = client.stats()["stored_tokens"]
+        steps = run_engine(client, requests, batched=True)
+        local = client.stats_local()
+        assert local.reused_steps > 0 and local.fetched_steps > 0  # reports rode along with fetches
+        assert client.stats()["stored_tokens"] - before == sum(len(p) + len(o) + 1 for p, o in requests)
+    assert len(steps) < max(len(o) for _, o in requests)
+
+
+def test_callers_mistakes_raise_before_anything_is_recorded(two_addresses):
+    with DrafterClient(two_addresses[0]) as client:
+        a, b = client.start([1, 2, 3]), client.start([4, 5])
+        for items in ([(a, [1]), ("nobody", [2])], [(a, [1]), (b, [VOCAB])], [(a, [1]), (a, [2])]):
+            with pytest.raises(DrafterRequestError):
+                client.draft_batch(items)
+        client.draft_batch([(a, [7]), (b, [8])])
+        client.end(a, [])
+        client.end(b, [])
+        assert client.stats()["stored_tokens"] == (3 + 1 + 1) + (2 + 1 + 1)  # each request once, 7 and 8 once
+
+
+def test_the_service_away_gives_empty_trees_at_once_then_sessions_reopen_with_their_tokens():
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    requests = workload(4, 3)
+    with DrafterClient(addr, max_nodes=8, connect_timeout=0.2, timeout=0.5, initial_backoff=0.05,
+                       max_backoff=0.2) as client:
+        sids = [client.start(p) for p, _ in requests]
+        t0 = time.monotonic()
+        for k in range(3):
+            trees = client.draft_batch([(s, o[k:k + 1]) for s, (_, o) in zip(sids, requests, strict=True)])
+            assert [len(t) for t in trees] == [0, 0, 0]
+        assert time.monotonic() - t0 < 1.0
+        server, _ = serve(port)
+        try:
+            live = 0
+            deadline = time.monotonic() + 10
+            while live < 3 and time.monotonic() < deadline:  # after the backoff, the sessions are reopened
+                client.draft_batch([(s, []) for s in sids])
+                try:
+                    live = client.stats()["active_sessions"]
+                except DrafterUnavailable:  # the channel is still reconnecting
+                    time.sleep(0.05)
+            assert live == 3
+            for s, (_, o) in zip(sids, requests, strict=True):
+                client.end(s, o[3:5])
+            stats = client.stats()
+            assert stats["stored_requests"] == 3
+            assert stats["stored_tokens"] == sum(len(p) + 5 + 1 for p, _ in requests)  # every token, once
+        finally:
+            server.stop(0)
+
+
+def test_the_asyncio_client_batches_like_the_sync_one(two_addresses):
+    history, requests = workload(1, 10), workload(5, 4)
+
+    async def run_async(addr: str) -> list[list]:
+        async with AsyncDrafterClient(addr, reuse=False) as client:
+            await client.ingest(history)
+            sids = [await client.start(p) for p, _ in requests]
+            pos, pending, steps = [0] * len(requests), [[] for _ in requests], []
+            live = list(range(len(requests)))
+            while live:
+                trees = await client.draft_batch([(sids[i], pending[i]) for i in live], 8)
+                steps.append(trees)
+                for tree, i in zip(trees, live, strict=True):
+                    n, _ = accept_greedy(tree, requests[i][1][pos[i]:])
+                    pending[i] = requests[i][1][pos[i]:pos[i] + n + 1]
+                    pos[i] += len(pending[i])
+                for i in [i for i in live if pos[i] >= len(requests[i][1])]:
+                    await client.end(sids[i], pending[i])
+                live = [i for i in live if pos[i] < len(requests[i][1])]
+            assert (await client.stats())["stored_requests"] == 14
+            return steps
+
+    got = asyncio.run(run_async(two_addresses[0]))
+    with DrafterClient(two_addresses[1], reuse=False) as client:
+        client.ingest(history)
+        assert got == run_engine(client, requests, batched=True)
+    assert sum(len(t) for step in got for t in step) > 0
