@@ -38,19 +38,6 @@ def tree_of(resp: pb.DraftResponse) -> DraftTree:
                      tuple(_SOURCE_NAMES.get(s, "") for s in resp.sources))
 
 
-def responses_of_batch(resp: pb.DraftBatchResponse) -> list[pb.DraftResponse | None]:
-    """The DraftResponse each step of a DraftBatchResponse stands for, in order; None for a step that failed."""
-    failed = {e.index for e in resp.step_errors}
-    offsets = list(resp.tree_offsets)
-    tokens, parents, probs, sources = resp.token_ids, resp.parents, resp.probs, resp.sources
-    out: list[pb.DraftResponse | None] = []
-    for k, (start, stop) in enumerate(itertools.pairwise(offsets)):
-        out.append(None if k in failed else pb.DraftResponse(
-            token_ids=tokens[start:stop], parents=parents[start:stop], probs=probs[start:stop],
-            sources=sources[start:stop], confirmed=resp.confirmed[k]))
-    return out
-
-
 def trees_of_batch(resp: pb.DraftBatchResponse) -> list[DraftTree]:
     """The DraftTree of every step of a DraftBatchResponse, in order (a failed step's tree is empty)."""
     offsets = list(resp.tree_offsets)
@@ -134,7 +121,7 @@ class Pending:
     report: bool
     max_nodes: int = 0
     waiter: Any = None
-    response: pb.DraftResponse | None = None
+    tree: DraftTree | None = None  # the answer's tree, once answered
     code: str = ""
     details: str = ""
     culprit: bool = False
@@ -144,7 +131,7 @@ class Pending:
     def outcome(self) -> str:
         """"ok"; "reopen" (the service lost the session); "invalid" (the caller's fault); "retry" (surely not
         applied, safe to send again); "down" (the service may or may not have applied it)."""
-        if self.response is not None:
+        if self.tree is not None:
             return "ok"
         if self.culprit and self.code == "NOT_FOUND":
             return "reopen"
@@ -297,17 +284,22 @@ class SessionBook:
     def draft_request(self, state: SessionState, max_nodes: int, report: bool, step_seconds: float,
                       plain_step_seconds: float = 0.0) -> tuple[pb.DraftRequest, Pending]:
         """The next DraftRequest of a session (every token not sent yet) and its pending record."""
+        session_id, accepted, ask, entry = self.next_step(state, max_nodes, report)
+        return pb.DraftRequest(session_id=session_id, accepted=accepted, max_nodes=ask, report_only=report,
+                               step_seconds=step_seconds, plain_step_seconds=plain_step_seconds), entry
+
+    def next_step(self, state: SessionState, max_nodes: int, report: bool) -> tuple[str, list[int], int, Pending]:
+        """The next step of a session: (remote session id, every token not sent yet, budget to ask for, its pending
+        record); the tokens count as sent from now on."""
         ask = 0 if report else self.budget(state, max_nodes)[1]
         with self._lock:
             end = len(state.tokens)
-            req = pb.DraftRequest(session_id=state.remote_id, accepted=state.tokens[state.sent:end], max_nodes=ask,
-                                  report_only=report, step_seconds=step_seconds,
-                                  plain_step_seconds=plain_step_seconds)
+            accepted = state.tokens[state.sent:end]
             state.sent = end
             entry = Pending(state, state.generation, end, report, ask)
             state.pending.append(entry)
             self.stats.reports_sent += int(report)
-            return req, entry
+            return state.remote_id, accepted, ask, entry
 
     def end_request(self, state: SessionState) -> pb.EndSessionRequest:
         """EndSession with every token not sent yet."""
@@ -319,12 +311,13 @@ class SessionBook:
             self.unrecord(state, n)
             raise DrafterRequestError(f"EndSession refused: {details}", code)
 
-    def answered(self, entry: Pending, resp: pb.DraftResponse) -> None:
-        """The stream answered ``entry``."""
+    def answered(self, entry: Pending, resp: pb.DraftResponse | DraftTree) -> None:
+        """The service answered ``entry`` (with a DraftResponse, or the tree a batch reply held for it)."""
+        tree = resp if isinstance(resp, DraftTree) else tree_of(resp)
         with self._lock:
             if entry.done:
                 return
-            entry.done, entry.response = True, resp
+            entry.done, entry.tree = True, tree
             state = entry.state
             if entry in state.pending:
                 state.pending.remove(entry)
@@ -399,7 +392,7 @@ class SessionBook:
 
     def fetched(self, state: SessionState, entry: Pending, max_nodes: int, t0: int) -> DraftTree:
         """The engine's part of the tree the service answered with; the whole tree is kept for reuse."""
-        tree = tree_of(entry.response) if entry.response is not None else EMPTY_TREE
+        tree = entry.tree if entry.tree is not None else EMPTY_TREE
         out = tree.prefix(self.budget(state, max_nodes)[0])
         with self._lock:
             state.full, state.last_kind = tree, ("fetch" if len(out) else "")

@@ -11,7 +11,7 @@ import grpc
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.tree import DraftTree
 from engine_client.client_common import DrafterRequestError, check_tokens
-from engine_client.draft_reuse import Pending, SessionBook, SessionState, responses_of_batch
+from engine_client.draft_reuse import Pending, SessionBook, SessionState, trees_of_batch
 
 CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 """gRPC status code names by number (DraftBatch reports an item's failure with the number)."""
@@ -73,10 +73,9 @@ def next_call(book: SessionBook, batch: StepBatch, namespace: str, max_nodes: in
             start_requests.append(request)
             book.opened(state, n, reopened)  # taken back when the service refuses the start
     for i in [*batch.reports, *todo]:
-        request, entry = book.draft_request(batch.states[i], max_nodes, i in batch.reports, step_seconds,
-                                            plain_step_seconds)
-        steps.append(pb.BatchStep(session_id=request.session_id, accepted=request.accepted,
-                                  max_nodes=request.max_nodes, report_only=request.report_only))
+        report = i in batch.reports
+        session_id, accepted, ask, entry = book.next_step(batch.states[i], max_nodes, report)
+        steps.append(pb.BatchStep(session_id=session_id, accepted=accepted, max_nodes=ask, report_only=report))
         entries.append((i, entry))
     batch.reports = []
     return BatchCall(pb.DraftBatchRequest(start=start_requests, steps=steps, step_seconds=step_seconds,
@@ -102,9 +101,9 @@ def answered(book: SessionBook, batch: StepBatch, call: BatchCall, reply: pb.Dra
     for error in reply.start_errors:
         book.open_refused(batch.states[call.starts[error.index]], CODE_NAMES.get(error.code, "UNKNOWN"))
     errors = {e.index: e for e in reply.step_errors}
-    for k, ((_, entry), response) in enumerate(zip(call.entries, responses_of_batch(reply), strict=True)):
-        if response is not None:
-            book.answered(entry, response)
+    for k, ((_, entry), tree) in enumerate(zip(call.entries, trees_of_batch(reply), strict=True)):
+        if k not in errors:
+            book.answered(entry, tree)
         else:
             book.failed(entry, CODE_NAMES.get(errors[k].code, "UNKNOWN"), errors[k].message, culprit=True,
                         definite=True)
