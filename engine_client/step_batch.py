@@ -107,7 +107,7 @@ def answered(book: SessionBook, batch: StepBatch, call: BatchCall, reply: pb.Dra
         else:
             book.failed(entry, CODE_NAMES.get(errors[k].code, "UNKNOWN"), errors[k].message, culprit=True,
                         definite=True)
-    for i, entry in call.entries:
+    for i, entry in call.entries:  # a second pass: every step is settled before one may raise
         if entry.report:
             continue
         action = book.action(entry, len(batch.recorded[i]))

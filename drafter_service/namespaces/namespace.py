@@ -45,7 +45,6 @@ class Namespace:
         self.built_at = time.monotonic()
         self._memory_seen = SeenKeys()  # duplicate keys when there is no persistence
         self.log = DurableLog(name, persistence, self._store_logged, self.frozen_tables.sync)
-        self._write_lock = self.log.write_lock
         self.spool: SpoolingLog | None = None  # set at start-up: holds requests while Redis cannot
 
     @classmethod
@@ -91,7 +90,7 @@ class Namespace:
         p = self.persistence
         if p is None:
             return
-        with self._write_lock:  # the table then matches the log up to the position
+        with self.log.write_lock:  # the table then matches the log up to the position
             if self.spool is not None and self.spool.holding:
                 return  # the table holds requests the log does not hold yet: snapshot once they are in
             last = self.log.position if self.log.follower is not None else p.last_id()
@@ -167,7 +166,7 @@ class Namespace:
         Raises:
             NotFound: the session has already ended (two EndSession calls of one session: the second).
         """
-        with self._write_lock:
+        with self.log.write_lock:
             if sess.closed:
                 raise NotFound("the session has ended")
             doc = np.concatenate([sess.tokens, accepted])
@@ -194,7 +193,7 @@ class Namespace:
             except InvalidArgument as exc:
                 raise InvalidArgument(f"request {i}: {exc}") from None
             prompt_lens.append(len(prompt))
-        with self._write_lock:
+        with self.log.write_lock:
             appended = self._persist(docs, prompt_lens, skip_duplicates)
             stored = tokens = 0
             for (doc, _), plen, sid in zip(docs, prompt_lens, appended, strict=True):

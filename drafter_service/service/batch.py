@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from drafter_service.api.tree import DraftTree, TokenIds
@@ -29,8 +28,3 @@ class BatchOutcome:
     start_errors: list[tuple[int, Exception]] = field(default_factory=list)
     step_errors: list[tuple[int, Exception]] = field(default_factory=list)
     end_errors: list[tuple[int, Exception]] = field(default_factory=list)
-
-
-def sizes(starts: Sequence[BatchStart], steps: Sequence[BatchStep], ends: Sequence[BatchEnd]) -> dict[str, int]:
-    """Items per list, for limits and messages."""
-    return {"start": len(starts), "steps": len(steps), "end": len(ends)}

@@ -16,7 +16,7 @@ from drafter_service.core.session import DraftSession
 from drafter_service.namespaces.namespace import Namespace
 from drafter_service.namespaces.stats import NamespaceStats
 from drafter_service.service.auth import TRUSTED, Authorizer, Caller
-from drafter_service.service.batch import BatchEnd, BatchOutcome, BatchStart, BatchStep, sizes
+from drafter_service.service.batch import BatchEnd, BatchOutcome, BatchStart, BatchStep
 from drafter_service.service.config import ServiceConfig
 from drafter_service.service.session_routes import SessionRoutes
 from store.persistence import RedisPersistence
@@ -155,10 +155,16 @@ class DrafterService:
         ``step_seconds`` and ``plain_step_seconds`` are the engine's reported step times (0: not reported), each
         in [0, 3600]; they only feed the statistics.
         """
+        self._check_step_times(step_seconds, plain_step_seconds)
+        return self._draft_step(session_id, accepted, max_nodes, report_only, step_seconds, plain_step_seconds,
+                                caller or TRUSTED)
+
+    def _draft_step(self, session_id: str, accepted: TokenIds, max_nodes: int, report_only: bool,
+                    step_seconds: float, plain_step_seconds: float, caller: Caller) -> tuple[DraftTree, int]:
+        """``draft`` once the step times are known to be valid (a batch checks them once for all its steps)."""
         self._check_tokens(accepted, "accepted")
         self._check_budget(max_nodes)
-        self._check_step_times(step_seconds, plain_step_seconds)
-        ns, sess = self.sessions.get(caller or TRUSTED, session_id)  # another scope's session is NOT_FOUND
+        ns, sess = self.sessions.get(caller, session_id)  # another scope's session is NOT_FOUND
         ids = self._accepted(ns, sess, session_id, accepted)
         return ns.draft(sess, ids, max_nodes, report_only, step_seconds, plain_step_seconds)
 
@@ -175,7 +181,7 @@ class DrafterService:
             InvalidArgument: the call itself is malformed (a list longer than ``max_sessions``, a bad default
                 budget or step time); nothing is done then.
         """
-        for what, n in sizes(starts, steps, ends).items():
+        for what, n in (("start", len(starts)), ("steps", len(steps)), ("end", len(ends))):
             if n > self.config.max_sessions:
                 raise InvalidArgument(f"{n} items in {what}, more than the limit {self.config.max_sessions}")
         self._check_budget(max_nodes)
@@ -189,8 +195,8 @@ class DrafterService:
                 out.start_errors.append((i, exc))
         for i, (session_id, accepted, budget, report_only) in enumerate(steps):
             try:
-                tree, confirmed = self.draft(session_id, accepted, budget or max_nodes, report_only, step_seconds,
-                                             plain_step_seconds, caller=who)
+                tree, confirmed = self._draft_step(session_id, accepted, budget or max_nodes, report_only,
+                                                   step_seconds, plain_step_seconds, who)
             except Exception as exc:
                 tree, confirmed = EMPTY_TREE, 0
                 out.step_errors.append((i, exc))
