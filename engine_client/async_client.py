@@ -203,11 +203,11 @@ class AsyncDrafterClient(LocalFigures):
         if len(self._buffer) and self._backoff.ready():
             self._buffer.add(await self._send(self._buffer.take(len(self._buffer)), False), front=True)
 
-    async def start(self, prompt: Sequence[int], max_nodes: int = 0) -> str:
+    async def start(self, prompt: Sequence[int], max_nodes: int = 0, open_now: bool = True) -> str:
         """Open a session; returns its id even when the service is away. See ``DrafterClient.start``."""
         await self.connect()
         state = self._book.open(prompt, max_nodes)
-        if self._backoff.ready():
+        if open_now and self._backoff.ready():
             try:
                 await self._open_remote(state)
                 await self._flush()

@@ -184,6 +184,11 @@ class DrafterClient(LocalFigures):
                 self.close()
                 raise
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Vocabulary size of the client's namespace (None until the service has been reached)."""
+        return self._book.vocab_size
+
     def _unary(self, method: Callable[..., Any], request: Any) -> Any:
         """Call a unary method; raises ServiceDown (backoff counted) or returns (reply, code name, details)."""
         try:
@@ -256,18 +261,20 @@ class DrafterClient(LocalFigures):
         if len(self._buffer) and self._backoff.ready():
             self._buffer.add(self._send(self._buffer.take(len(self._buffer)), False), front=True)
 
-    def start(self, prompt: Sequence[int], max_nodes: int = 0) -> str:
+    def start(self, prompt: Sequence[int], max_nodes: int = 0, open_now: bool = True) -> str:
         """Open a session for a request; returns its id even when the service is away (opened there later).
 
         Args:
             prompt: the request's prompt tokens.
             max_nodes: nodes the engine verifies per step for this session (0: the client's ``max_nodes``).
+            open_now: open the service's session now (a StartSession round trip); False leaves it to the
+                session's first ``draft`` or ``draft_batch`` call, which opens it on the way.
 
         Raises:
             DrafterRequestError: bad token ids or budget, or an unknown namespace.
         """
         state = self._book.open(prompt, max_nodes)
-        if self._backoff.ready():
+        if open_now and self._backoff.ready():
             try:
                 self._open_remote(state)
                 self._flush()

@@ -195,3 +195,34 @@ def merge_trees(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
         out_s.append(srcs[j])
     return DraftTree(tuple(out_t), tuple(out_p), tuple(out_pr), float(sum(out_pr)),
                      tuple(out_s) if any(out_s) else ())
+
+
+def best_chain(tree: DraftTree, max_len: int, min_prob: float = 0.0) -> list[int]:
+    """The tree's path that an engine verifying one chain per request should take, as tokens from the root.
+
+    Each node's estimate is the probability that its whole path is accepted, so a path of nodes ``n1..nL`` is
+    expected to yield ``sum(probs)`` accepted tokens. A token is worth verifying when its estimate is at least
+    ``min_prob`` (what one more verified token costs, in accepted tokens); the chain returned maximises
+    ``sum(probs[n] - min_prob)`` over paths of at most ``max_len`` nodes, and is empty when no path gains.
+
+    Args:
+        tree: the draft.
+        max_len: most tokens in the chain (the engine's speculative length); <= 0 gives [].
+        min_prob: the acceptance estimate one more token must reach to be worth its verification.
+    """
+    n = len(tree)
+    if n == 0 or max_len <= 0:
+        return []
+    gain = [0.0] * n
+    depth = [0] * n
+    best, best_gain = -1, 0.0
+    for i, (parent, prob) in enumerate(zip(tree.parents, tree.probs, strict=True)):
+        d = depth[parent] + 1 if parent >= 0 else 1
+        depth[i] = d
+        if d > max_len:
+            gain[i] = float("-inf")
+            continue
+        gain[i] = (gain[parent] if parent >= 0 else 0.0) + prob - min_prob
+        if gain[i] > best_gain:
+            best, best_gain = i, gain[i]
+    return tree.path(best) if best >= 0 else []
