@@ -1,0 +1,221 @@
+"""DrafterProposer against a real service over a real channel, driven the way vLLM 0.32's model runner drives it.
+
+The runner here is a stand-in with the attributes the proposer reads (``input_batch.req_ids``,
+``input_batch.num_prompt_tokens``, ``requests``); tests/vllm runs the proposer inside a real vLLM engine.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from drafter_service.api.tree import DraftTree, best_chain
+from drafter_service.core.config import DrafterConfig
+from drafter_service.rpc.server import create_server
+from drafter_service.service.config import ServiceConfig
+from engine_client import DrafterClient
+from engine_client.vllm import DrafterProposer, ProposerSettings
+
+VOCAB = 300
+MAX_LEN = 256
+K = 4
+
+
+class Runner:
+    """The parts of vLLM's model runner the proposer uses; rows are filled as vLLM's bookkeeping fills them."""
+
+    def __init__(self, proposer: DrafterProposer, rows: int = 8) -> None:
+        self.drafter = proposer
+        self.input_batch = SimpleNamespace(req_ids=[], num_prompt_tokens=np.zeros(rows, dtype=np.int64))
+        self.requests: dict[str, SimpleNamespace] = {}
+        self.token_ids = np.full((rows, MAX_LEN), -7, dtype=np.int32)  # -7: stale garbage past each row's end
+        self.num_tokens = np.zeros(rows, dtype=np.int32)
+
+    def load_model(self) -> None:
+        self.drafter.load_model(None)
+
+    def place(self, req_ids: list[str], tokens: dict[str, list[int]], prompts: dict[str, int]) -> None:
+        """Rows in ``req_ids`` order, each holding its request's tokens so far."""
+        self.input_batch.req_ids = list(req_ids)
+        self.token_ids[:] = -7
+        for i, rid in enumerate(req_ids):
+            self.token_ids[i, :len(tokens[rid])] = tokens[rid]
+            self.num_tokens[i] = len(tokens[rid])
+            self.input_batch.num_prompt_tokens[i] = prompts[rid]
+
+    def step(self, sampled: list[list[int]]) -> list[list[int]]:
+        return self.drafter.propose(sampled, self.num_tokens, self.token_ids, slot_mappings=None)
+
+
+def vllm_config() -> SimpleNamespace:
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K),
+                           model_config=SimpleNamespace(max_model_len=MAX_LEN, get_vocab_size=lambda: VOCAB))
+
+
+@pytest.fixture
+def service(monkeypatch):
+    server, port = create_server(ServiceConfig(drafter=DrafterConfig(capacity=1 << 16), default_vocab_size=VOCAB),
+                                 "127.0.0.1:0")
+    address = f"127.0.0.1:{port}"
+    monkeypatch.setenv("DRAFTER_ADDRESS", address)
+    monkeypatch.setenv("DRAFTER_TIMEOUT", "2")
+    yield server, address
+    server.stop(0)
+
+
+def proposer_with_runner(rows: int = 8) -> tuple[DrafterProposer, Runner]:
+    proposer = DrafterProposer(vllm_config())
+    runner = Runner(proposer, rows)
+    runner.load_model()
+    return proposer, runner
+
+
+def stored_requests(address: str) -> int:
+    with DrafterClient(address) as client:
+        return int(client.stats()["stored_requests"])
+
+
+def wait_stored(address: str, count: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while stored_requests(address) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} requests stored"
+        time.sleep(0.1)
+
+
+def generate(runner: Runner, requests: dict[str, tuple[list[int], list[int]]], order: list[list[str]]) -> list:
+    """Replay requests (prompt, output) one token per step with rows in the given order per step; drafts per step.
+
+    Each step's rows are the requests of ``order[step]``; a request's first step is its prefill (its first output
+    token), later steps add one token each.
+    """
+    tokens = {rid: list(prompt) for rid, (prompt, _) in requests.items()}
+    prompts = {rid: len(prompt) for rid, (prompt, _) in requests.items()}
+    made = dict.fromkeys(requests, 0)
+    drafts = []
+    for rids in order:
+        sampled = []
+        for rid in rids:
+            tokens[rid].append(requests[rid][1][made[rid]])
+            sampled.append([tokens[rid][-1]])
+            made[rid] += 1
+        for rid in rids:
+            runner.requests[rid] = SimpleNamespace(sampling_params=None)
+        runner.place(rids, tokens, prompts)
+        drafts.append(dict(zip(rids, runner.step(sampled), strict=True)))
+    return drafts
+
+
+def test_best_chain_follows_the_path_worth_verifying():
+    # root -> 5 (0.9) -> 6 (0.8) -> 7 (0.02); root -> 9 (0.5) -> 10 (0.45) -> 11 (0.4)
+    tree = DraftTree((5, 9, 6, 10, 7, 11), (-1, -1, 0, 1, 2, 3), (0.9, 0.5, 0.8, 0.45, 0.02, 0.4))
+    assert best_chain(tree, 4, 0.05) == [5, 6]  # 7's estimate is under what a token costs
+    assert best_chain(tree, 1, 0.05) == [5]
+    assert best_chain(tree, 4, 0.0) == [5, 6, 7]  # 1.72 beats 9 10 11's 1.35
+    assert best_chain(tree, 4, 0.95) == []  # nothing pays
+    assert best_chain(tree, 0, 0.0) == []
+
+
+def test_settings_come_from_the_environment():
+    s = ProposerSettings.from_env({"DRAFTER_ADDRESS": "h:1", "DRAFTER_NAMESPACE": "llama", "DRAFTER_TIMEOUT": "0.02",
+                                   "DRAFTER_MAX_NODES": "24", "DRAFTER_CHAIN_MIN_PROB": "0.2",
+                                   "DRAFTER_TOKEN": "secret"})
+    assert (s.address, s.namespace, s.timeout, s.max_nodes, s.min_prob) == ("h:1", "llama", 0.02, 24, 0.2)
+    assert s.security.metadata() == (("authorization", "Bearer secret"),)
+    with pytest.raises(ValueError, match="DRAFTER_TIMEOUT"):
+        ProposerSettings.from_env({"DRAFTER_TIMEOUT": "soon"})
+    with pytest.raises(ValueError, match="DRAFTER_CHAIN_MIN_PROB"):
+        ProposerSettings.from_env({"DRAFTER_CHAIN_MIN_PROB": "2"})
+
+
+def test_requests_are_followed_across_moving_rows_and_stored_when_finished(service):
+    _, address = service
+    proposer, runner = proposer_with_runner()
+    rng = np.random.default_rng(1)
+    reqs = {f"r{i}": (rng.integers(0, VOCAB, 12).tolist(), rng.integers(0, VOCAB, 8).tolist()) for i in range(3)}
+    # rows move: r1 and r0 swap places, r2 joins late and takes row 0
+    order = [["r0", "r1"], ["r1", "r0"], ["r2", "r1", "r0"], ["r0", "r2", "r1"], ["r1", "r0", "r2"],
+             ["r0", "r1", "r2"], ["r2"]]
+    generate(runner, reqs, order)
+    for rid in ("r0", "r1"):  # finished: the runner drops them, the next step ends their sessions
+        del runner.requests[rid]
+    tokens = reqs["r2"][0] + reqs["r2"][1][:6]
+    runner.place(["r2"], {"r2": tokens}, {"r2": 12})
+    runner.step([[tokens[-1]]])
+    assert stored_requests(address) == 2
+    assert runner.step([[]]) == [[]]  # a row without sampled tokens (a prefill in progress) gets no draft
+    del runner.requests["r2"]
+    wait_stored(address, 3)  # the engine is idle: the watcher ends it
+    figures = proposer._tracker.figures
+    assert (figures.opened, figures.ended, figures.failures) == (3, 3, 0)
+    # the service holds each request whole: a new request with r0's prompt is drafted r0's output
+    proposer2, runner2 = proposer_with_runner()
+    prompt, output = reqs["r0"]
+    drafts = generate(runner2, {"n0": (prompt, output)}, [["n0"], ["n0"]])
+    assert drafts[0]["n0"] == output[1:1 + K]
+    assert drafts[1]["n0"] == output[2:2 + K]
+
+
+def test_chains_are_plain_ints_within_k_and_the_model_length(service):
+    proposer, runner = proposer_with_runner()
+    prompt = list(range(1, 40)) * 3
+    with DrafterClient(service[1]) as client:
+        client.ingest([(prompt, list(range(40, 100)))])
+    reqs = {"a": (prompt, list(range(40, 100)))}
+    drafts = generate(runner, reqs, [["a"]] * 5)
+    assert all(len(d["a"]) == K and all(type(t) is int for t in d["a"]) for d in drafts)
+    assert drafts[-1]["a"] == list(range(45, 45 + K))
+    # near max_model_len a chain shrinks to what still fits
+    pattern = (list(range(1, 40)) * 7)[:MAX_LEN - 3]
+    runner.requests["c"] = SimpleNamespace(sampling_params=None)
+    runner.place(["c"], {"c": pattern}, {"c": len(pattern) - 1})
+    short = runner.step([[pattern[-1]]])[0]
+    assert 0 < len(short) <= 2 and short == pattern[len(pattern) - 39:][:len(short)]
+
+
+def test_output_past_max_tokens_or_a_stop_token_is_neither_stored_nor_drafted(service):
+    _, address = service
+    proposer, runner = proposer_with_runner()
+    rng = np.random.default_rng(2)
+    prompt, output = rng.integers(0, VOCAB - 1, 10).tolist(), rng.integers(0, VOCAB - 1, 8).tolist()
+    runner.requests["a"] = SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=5, all_stop_token_ids=set()))
+    runner.requests["b"] = SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=50,
+                                                                           all_stop_token_ids={VOCAB - 1}))
+    tokens = {"a": prompt + output, "b": prompt[::-1] + output[:3] + [VOCAB - 1] + output[3:]}
+    runner.place(["a", "b"], tokens, {"a": 10, "b": 10})  # both overshot in one step (accepted drafts)
+    assert runner.step([output, output[:3] + [VOCAB - 1] + output[3:]]) == [[], []]
+    runner.requests.clear()
+    wait_stored(address, 2)
+    with DrafterClient(address) as client:
+        # a: prompt and max_tokens; b: up to its stop token; the store puts one separator after each request
+        assert client.stats()["stored_tokens"] == (10 + 5 + 1) + (10 + 4 + 1)
+
+
+def test_the_service_away_means_empty_drafts_and_no_exception(service):
+    server, _ = service
+    proposer, runner = proposer_with_runner()
+    server.stop(0).wait()
+    rng = np.random.default_rng(3)
+    reqs = {"a": (rng.integers(0, VOCAB, 10).tolist(), rng.integers(0, VOCAB, 4).tolist())}
+    drafts = generate(runner, reqs, [["a"]] * 4)
+    assert all(d == {"a": []} for d in drafts)
+
+
+def test_propose_never_raises_into_the_engine(service):
+    proposer, runner = proposer_with_runner()
+    runner.input_batch = None  # whatever breaks inside, the step gets empty drafts
+    assert runner.step([[1], [2]]) == [[], []]
+
+
+def test_a_namespace_of_another_vocabulary_is_refused_with_a_clear_error(service, caplog):
+    config = vllm_config()
+    config.model_config.get_vocab_size = lambda: VOCAB * 2
+    proposer = DrafterProposer(config)
+    runner = Runner(proposer)
+    runner.load_model()
+    assert "vocabulary of 300 tokens, this model 600" in caplog.text
+    runner.requests["a"] = SimpleNamespace(sampling_params=None)
+    runner.place(["a"], {"a": [1, 2, 3, 4]}, {"a": 3})
+    assert runner.step([[4]]) == [[]]
