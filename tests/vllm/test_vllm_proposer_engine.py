@@ -1,0 +1,167 @@
+"""drafter inside a real vLLM engine (CPU, SmolLM2-135M, float32) beside a real ``drafter serve`` process.
+
+vLLM lives in its own venv (``make vllm``); each engine runs there as a child process (``bench.vllm_engine``).
+Without that venv these tests are skipped, unless DRAFTER_REQUIRE_VLLM=1 (``make test`` sets it) makes them fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from drafter_service.bench.e2e_prompts import load_prompts
+from drafter_service.bench.serve_bench import ServiceProcess
+from drafter_service.bench.vllm_process import Generation, VllmEngineProcess, vllm_python, wait_for
+from drafter_service.datasets.target_model import smollm2_checkpoint
+from engine_client import DrafterClient
+
+K = 4
+SHORT = 64  # tokens generated for the GSM8K prompts
+LONG = 128  # and for the HumanEval ones (the service is killed while they generate)
+
+pytestmark = pytest.mark.timeout(1200)
+
+if not vllm_python().exists():
+    if os.environ.get("DRAFTER_REQUIRE_VLLM") == "1":
+        raise RuntimeError(f"{vllm_python()} is missing: run `make vllm`")
+    pytest.skip("vLLM's venv is missing (make vllm)", allow_module_level=True)
+
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+DRAFTS = "vllm:spec_decode_num_drafts"
+GENERATED = "vllm:generation_tokens"
+
+
+def delta(after: Generation, before: Generation | None, name: str) -> float:
+    return after.counters[name] - (before.counters[name] if before is not None else 0.0)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> dict[str, list[list[int]]]:
+    return {"gsm8k": [p.token_ids.tolist() for p in load_prompts("gsm8k", 8)],
+            "humaneval": [p.token_ids.tolist() for p in load_prompts("humaneval", 4)]}
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(smollm2_checkpoint())
+
+
+def engine(model: str, method: str, workdir: Path, name: str, env: dict[str, str] | None = None
+           ) -> VllmEngineProcess:
+    log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 (closed with the module's files)
+    return VllmEngineProcess(model, method, K, env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}, log=log)
+
+
+@pytest.fixture(scope="module")
+def plain(model, prompts, workdir) -> dict[str, list[list[int]]]:
+    """vLLM without speculation: the outputs every speculative run must reproduce."""
+    with engine(model, "none", workdir, "plain") as eng:
+        return {"gsm8k": eng.generate(prompts["gsm8k"], SHORT).outputs,
+                "humaneval": eng.generate(prompts["humaneval"], LONG).outputs}
+
+
+@pytest.fixture(scope="module")
+def service(workdir):
+    svc = ServiceProcess(workdir / "service", 1 << 20)
+    svc.start()
+    yield svc
+    if svc.proc is not None and svc.proc.poll() is None:
+        svc.stop()
+
+
+def proposer_env(service: ServiceProcess, workdir: Path, name: str) -> dict[str, str]:
+    return {"DRAFTER_ADDRESS": service.address, "DRAFTER_TIMEOUT": "2",
+            "DRAFTER_PROPOSER_STATS": str(workdir / f"{name}.json")}
+
+
+@pytest.fixture(scope="module")
+def first(model, service, workdir, plain, prompts):
+    """The first engine with drafter and its generation of the GSM8K prompts in one batch."""
+    eng = engine(model, "drafter", workdir, "first", proposer_env(service, workdir, "first"))
+    yield eng, eng.generate(prompts["gsm8k"], SHORT)
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def second(model, service, workdir, first):
+    """A second engine process on the same service, started while the first still runs."""
+    eng = engine(model, "drafter", workdir, "second", proposer_env(service, workdir, "second"))
+    yield eng
+    eng.close()
+
+
+def stats(service: ServiceProcess) -> dict:
+    with DrafterClient(service.address) as client:
+        return client.stats()
+
+
+def test_greedy_outputs_with_drafter_equal_vllm_without_speculation(first, plain):
+    _, generation = first
+    assert len(generation.outputs) == 8
+    assert generation.outputs == plain["gsm8k"]
+
+
+def test_vllms_counters_show_accepted_draft_tokens(first):
+    _, generation = first
+    assert generation.counters[DRAFTS] > 0
+    assert generation.counters[ACCEPTED] > 0
+
+
+def test_the_service_stores_every_request_vllm_completed(first, service, prompts):
+    _, generation = first
+    wait_for(lambda: stats(service)["stored_requests"] >= 8, 30, "8 requests stored")
+    figures = stats(service)
+    assert figures["stored_requests"] == 8
+    # each request whole (prompt and output), followed by the store's separator
+    assert figures["stored_tokens"] == sum(len(p) + len(o) + 1 for p, o in zip(prompts["gsm8k"], generation.outputs,
+                                                                             strict=True))
+
+
+def test_a_second_engine_is_drafted_what_the_first_wrote(first, second, plain, prompts, service):
+    wait_for(lambda: stats(service)["stored_requests"] >= 8, 30, "the first engine's requests stored")
+    before = second.generate(prompts["humaneval"][:1], 8)  # a prompt neither engine has seen
+    novel = second.generate(prompts["humaneval"][1:2], SHORT)
+    seen = second.generate(prompts["gsm8k"][:1], SHORT)  # the first engine completed this one
+    assert seen.outputs == plain["gsm8k"][:1]
+    novel_rate = delta(novel, before, ACCEPTED) / delta(novel, before, GENERATED)
+    seen_rate = delta(seen, novel, ACCEPTED) / delta(seen, novel, GENERATED)
+    assert seen_rate >= 0.6, (seen_rate, novel_rate)
+    assert seen_rate > novel_rate + 0.2, (seen_rate, novel_rate)
+
+
+def test_generation_completes_with_the_same_output_when_the_service_is_killed(second, service, plain, prompts,
+                                                                               workdir):
+    stats_file = workdir / "second.json"
+
+    def steps() -> int:
+        try:
+            return int(json.loads(stats_file.read_text())["steps"])
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    start = steps()
+    killed: list[tuple[int, float]] = []
+
+    def kill_midway() -> None:
+        wait_for(lambda: steps() >= start + 10, 300, "ten engine steps", poll=0.05)
+        service.stop(9)  # SIGKILL
+        killed.append((steps(), time.monotonic()))
+
+    killer = threading.Thread(target=kill_midway, daemon=True)
+    killer.start()
+    generation = second.generate(prompts["humaneval"], LONG)
+    done = time.monotonic()
+    killer.join(10)
+    assert killed and killed[0][1] < done, "the service was not killed while vLLM generated"
+    assert generation.outputs == plain["humaneval"]
+    wait_for(lambda: steps() > killed[0][0], 5, "steps after the kill")
