@@ -22,6 +22,7 @@ from drafter_service.bench.replay import CoreDrafter, ReplayResult, replay
 from drafter_service.bench.replicas_bench import add_replicas_bench
 from drafter_service.bench.serve_bench import add_serve_bench
 from drafter_service.bench.soak import add_soak_bench
+from drafter_service.bench.vllm_bench import add_vllm_bench
 from drafter_service.bench.warm_bench import add_warm_bench
 from drafter_service.core.config import DrafterConfig
 from drafter_service.datasets.loaders import DATASET_NAMES, Request, load_dataset, read_requests
@@ -76,6 +77,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     add_batch_bench(bench)
     add_warm_bench(bench)
     add_e2e_bench(bench)
+    add_vllm_bench(bench)
     add_corpus_bench(bench)
     add_soak_bench(bench)
     add_replicas_bench(bench)

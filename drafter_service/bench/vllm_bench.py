@@ -1,0 +1,199 @@
+"""``drafter bench vllm``: vLLM without speculation, with its ``ngram`` and ``suffix`` speculators, and with drafter.
+
+Each method gets its own vLLM engine (in vLLM's venv, see ``make vllm``) and the same treatment per workload: the
+workload's earlier prompts are generated first (unmeasured: drafter stores them, suffix decoding caches them),
+then the held-back prompts are generated in one batch and measured from vLLM's own counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from drafter_service.bench.e2e_prompts import E2E_DATASETS, load_prompts
+from drafter_service.bench.serve_bench import ServiceProcess
+from drafter_service.bench.vllm_process import Generation, VllmEngineProcess, vllm_python, wait_for
+from drafter_service.datasets.target_model import smollm2_checkpoint
+from engine_client import DrafterClient
+
+METHODS = ("none", "ngram", "suffix", "drafter")
+
+
+def add_vllm_bench(bench: argparse._SubParsersAction) -> None:
+    """Register ``bench vllm``."""
+    p = bench.add_parser("vllm", help="acceptance and speed inside vLLM: no speculation, ngram, suffix and drafter "
+                         "on the same held-back prompts after the same warm-up")
+    p.add_argument("--dataset", action="append", choices=E2E_DATASETS, help="workload (repeatable; default all)")
+    p.add_argument("--warm", type=int, default=24, help="earlier prompts of each workload generated first")
+    p.add_argument("--requests", type=int, default=16, help="held-back prompts measured per workload (one batch)")
+    p.add_argument("--max-tokens", type=int, default=192, help="tokens generated per prompt")
+    p.add_argument("--k", type=int, default=4, help="speculative tokens per step (every method)")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated among {', '.join(METHODS)}")
+    p.add_argument("--json", help="also write the results as JSON to this file")
+    p.add_argument("--engine-log", help="append the engines' own output to this file (default: discarded)")
+    p.set_defaults(func=run_vllm_bench)
+
+
+@dataclass
+class MethodRun:
+    """One method on one workload's held-back prompts."""
+
+    method: str
+    dataset: str
+    generated: int
+    drafts: int
+    draft_tokens: int
+    accepted: int
+    seconds: float
+    identical: bool  # outputs equal vLLM's without speculation
+    proposer_ms: float | None  # drafter's time inside propose per engine step
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens per verification step over all steps: generated / (generated - accepted)."""
+        return self.generated / max(1, self.generated - self.accepted)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.seconds if self.seconds else 0.0
+
+
+def _delta(after: Generation, before: Generation, name: str) -> int:
+    return round(after.counters[name] - before.counters[name])
+
+
+def _proposer_figures(path: Path) -> dict:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def machine() -> str:
+    """CPU model and its vector extensions (the figures depend on them)."""
+    model, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    vector = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{model} ({os.cpu_count()} cores; {', '.join(vector) or 'no AVX2'})"
+
+
+def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[str, tuple[list, list]],
+               reference: dict[str, list[list[int]]] | None, workdir: Path, log: object) -> list[MethodRun]:
+    """Warm and measure one method on every workload, with one engine (and, for drafter, one fresh service)."""
+    service = None
+    env: dict[str, str] = {}
+    stats_file = workdir / f"{method}.proposer.json"
+    if method == "drafter":
+        service = ServiceProcess(workdir / "service", 1 << 24)
+        service.start()
+        env = {"DRAFTER_ADDRESS": service.address, "DRAFTER_PROPOSER_STATS": str(stats_file)}
+    runs: list[MethodRun] = []
+    try:
+        with VllmEngineProcess(model, method, args.k, env=env, log=log) as engine:  # type: ignore[arg-type]
+            _progress(f"{method}: engine ready in {engine.startup_seconds:.0f} s")
+            for dataset, (warm, held) in prompts.items():
+                t0 = time.perf_counter()
+                warmed = engine.generate(warm, args.max_tokens)
+                if service is not None:
+                    stored = _stored(service.address)
+                    wait_for(lambda s=service, n=stored: _stored(s.address) >= n, 60, "warm requests stored")
+                before = _proposer_figures(stats_file)
+                measured = engine.generate(held, args.max_tokens)
+                if service is not None:
+                    time.sleep(0.5)  # the proposer rewrites its figures every 0.2 s
+                after = _proposer_figures(stats_file)
+                steps = after.get("steps", 0) - before.get("steps", 0)
+                proposer_ms = (1e3 * (after.get("seconds", 0.0) - before.get("seconds", 0.0)) / steps
+                               if steps else None)
+                run = MethodRun(method, dataset, _delta(measured, warmed, "vllm:generation_tokens"),
+                                _delta(measured, warmed, "vllm:spec_decode_num_drafts"),
+                                _delta(measured, warmed, "vllm:spec_decode_num_draft_tokens"),
+                                _delta(measured, warmed, "vllm:spec_decode_num_accepted_tokens"), measured.seconds,
+                                reference is None or measured.outputs == reference[dataset], proposer_ms,
+                                measured.outputs)
+                runs.append(run)
+                _progress(f"{method} on {dataset}: {run.tokens_per_step:.2f} tokens/step, {run.tokens_per_s:.1f} "
+                          f"tokens/s ({time.perf_counter() - t0:.0f} s with the warm-up)")
+    finally:
+        if service is not None:
+            service.stop()
+    return runs
+
+
+def _progress(line: str) -> None:
+    print(f"bench vllm: {line}", file=sys.stderr, flush=True)
+
+
+def _stored(address: str) -> int:
+    with DrafterClient(address) as client:
+        return int(client.stats()["stored_requests"])
+
+
+def format_runs(runs: list[MethodRun], args: argparse.Namespace) -> str:
+    """A markdown table per workload, with each method's tokens per step against suffix and ngram."""
+    lines = [f"k={args.k}, {args.requests} held-back prompts per workload in one batch after {args.warm} warm-up "
+             f"prompts, {args.max_tokens} tokens each; machine: {machine()}", ""]
+    for dataset in dict.fromkeys(r.dataset for r in runs):
+        rows = [r for r in runs if r.dataset == dataset]
+        by = {r.method: r for r in rows}
+        lines += [f"**{dataset}**", "",
+                  "| method | drafts | draft tokens | accepted | tokens/step | vs suffix | vs ngram | tokens/s | "
+                  "proposer ms/step | same output |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            vs = [f"{r.tokens_per_step / by[m].tokens_per_step:.2f}x" if m in by else "-" for m in ("suffix", "ngram")]
+            ms = f"{r.proposer_ms:.2f}" if r.proposer_ms is not None else "-"
+            lines.append(f"| {r.method} | {r.drafts} | {r.draft_tokens} | {r.accepted} | {r.tokens_per_step:.3f} | "
+                         f"{vs[0]} | {vs[1]} | {r.tokens_per_s:.1f} | {ms} | {'yes' if r.identical else 'NO'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run_vllm_bench(args: argparse.Namespace) -> int:
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise SystemExit(f"unknown methods {unknown}: choose among {', '.join(METHODS)}")
+    if not vllm_python().exists():
+        raise SystemExit(f"{vllm_python()} not found: run `make vllm` (and `make vllm-peers` for suffix)")
+    if "none" in methods:  # the reference runs first
+        methods = ["none"] + [m for m in methods if m != "none"]
+    model = str(smollm2_checkpoint())
+    prompts = {d: ([p.token_ids.tolist() for p in load_prompts(d, args.warm)],
+                   [p.token_ids.tolist() for p in load_prompts(d, args.requests, skip=args.warm)])
+               for d in args.dataset or list(E2E_DATASETS)}
+    log = open(args.engine_log, "a") if args.engine_log else None  # noqa: SIM115 (closed below)
+    runs: list[MethodRun] = []
+    reference: dict[str, list[list[int]]] | None = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="drafter-bench-vllm-") as tmp:
+            for method in methods:
+                method_runs = run_method(method, args, model, prompts, reference, Path(tmp), log)
+                if method == "none":
+                    reference = {r.dataset: r.outputs for r in method_runs}
+                runs += method_runs
+    finally:
+        if log is not None:
+            log.close()
+    print(format_runs(runs, args))
+    if args.json:
+        rows = [{**{k: v for k, v in vars(r).items() if k != "outputs"}, "tokens_per_step": r.tokens_per_step,
+                 "tokens_per_s": r.tokens_per_s} for r in runs]
+        Path(args.json).write_text(json.dumps({"machine": machine(), "runs": rows}, indent=1))
+    return 0
