@@ -61,10 +61,11 @@ class ProposerSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ProposerSettings:
-        """Settings from DRAFTER_ADDRESS, DRAFTER_NAMESPACE, DRAFTER_TIMEOUT, DRAFTER_MAX_NODES,
-        DRAFTER_CHAIN_MIN_PROB, DRAFTER_PROPOSER_STATS, and the TLS and token variables the ``drafter`` commands read
-        (DRAFTER_TOKEN, DRAFTER_TLS, DRAFTER_TLS_ROOT_CA, DRAFTER_TLS_CLIENT_CERT, DRAFTER_TLS_CLIENT_KEY,
-        DRAFTER_TLS_SERVER_NAME).
+        """Settings from the environment (unset variables keep the defaults).
+
+        DRAFTER_ADDRESS, DRAFTER_NAMESPACE, DRAFTER_TIMEOUT, DRAFTER_MAX_NODES, DRAFTER_CHAIN_MIN_PROB,
+        DRAFTER_PROPOSER_STATS, and the TLS and token variables the ``drafter`` commands read (DRAFTER_TOKEN,
+        DRAFTER_TLS, DRAFTER_TLS_ROOT_CA, DRAFTER_TLS_CLIENT_CERT, DRAFTER_TLS_CLIENT_KEY, DRAFTER_TLS_SERVER_NAME).
 
         Raises:
             ValueError: a value that is not a number, or inconsistent TLS settings.
@@ -189,7 +190,6 @@ class RequestTracker:
             req = self.requests.pop(req_id)
             self.client.end(req.session, [])
             self.figures.ended += 1
-
 
 
 class DrafterProposer:
