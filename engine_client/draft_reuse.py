@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 _SOURCE_NAMES = {pb.SOURCE_SESSION: "session", pb.SOURCE_STORE: "store", pb.SOURCE_DYNAMIC: "dynamic",
                  pb.SOURCE_FROZEN: "frozen", pb.SOURCE_MODEL: "model",
                  pb.SOURCE_REPEAT: "repeat"}
-_SOURCE_NAMES_ALL: collections.defaultdict[int, str] = collections.defaultdict(str, _SOURCE_NAMES)
+_SOURCE_NAMES_ALL: collections.defaultdict[int, str] = collections.defaultdict(
+    str, {int(code): name for code, name in _SOURCE_NAMES.items()})
 """Source names by number, "" for any other number."""
 _LIMIT_RE = re.compile(r"max_nodes must be in \[0, (\d+)\]")
 
