@@ -100,3 +100,21 @@ def test_a_single_call_scores_a_draft_the_batch_left_packed():
     assert single.correct(single.session("s"), ids) == batched.correct(sess, ids)
     assert list(single.model.trials) == list(batched.model.trials)
     assert (sess.steps, sess.drafted, sess.accepted) == (1, len(tree), n)
+
+
+def test_the_batch_scores_a_draft_a_single_call_left():
+    single, batched = make(True), make(True)
+    prompt, output = corpus(3, 1)[0]
+    for d in (single, batched):
+        d.start("s", prompt)
+        d.draft(d.session("s"), 16)  # both drafted by the single path
+    n, _ = accept_greedy(single.session("s")._last_tree, output)
+    ids = np.array(output[:n + 1], dtype=np.int32)
+    confirmed = single.correct(single.session("s"), ids).tokens
+    expected = single.draft(single.session("s"), 16)
+    sess = batched.session("s")
+    assert batched.batchable(sess)
+    out = batched.draft_steps([sess], ids, [0, ids.size], [16], [False])
+    assert (tuple(out.token_ids), tuple(out.probs), out.confirmed) == (expected.token_ids, expected.probs,
+                                                                        [confirmed])
+    assert list(single.model.trials) == list(batched.model.trials)
