@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import re
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 _SOURCE_NAMES = {pb.SOURCE_SESSION: "session", pb.SOURCE_STORE: "store", pb.SOURCE_DYNAMIC: "dynamic",
                  pb.SOURCE_FROZEN: "frozen", pb.SOURCE_MODEL: "model",
                  pb.SOURCE_REPEAT: "repeat"}
+_SOURCE_NAMES_ALL: collections.defaultdict[int, str] = collections.defaultdict(
+    str, {int(code): name for code, name in _SOURCE_NAMES.items()})
+"""Source names by number, "" for any other number."""
 _LIMIT_RE = re.compile(r"max_nodes must be in \[0, (\d+)\]")
 
 
@@ -40,14 +44,18 @@ def tree_of(resp: pb.DraftResponse) -> DraftTree:
 
 def trees_of_batch(resp: pb.DraftBatchResponse) -> list[DraftTree]:
     """The DraftTree of every step of a DraftBatchResponse, in order (a failed step's tree is empty)."""
-    offsets = list(resp.tree_offsets)
-    tokens, parents, probs = list(resp.token_ids), list(resp.parents), list(resp.probs)
-    names = [_SOURCE_NAMES.get(s, "") for s in resp.sources]
+    tokens, parents, probs = tuple(resp.token_ids), tuple(resp.parents), tuple(resp.probs)
+    names = tuple(map(_SOURCE_NAMES_ALL.__getitem__, resp.sources))  # every node's at once: trees take slices
     out = []
-    for start, stop in itertools.pairwise(offsets):
-        p = tuple(probs[start:stop])
-        out.append(DraftTree(tuple(tokens[start:stop]), tuple(parents[start:stop]), p, float(sum(p)),
-                             tuple(names[start:stop])) if stop > start else EMPTY_TREE)
+    bounds = iter(resp.tree_offsets)
+    start = next(bounds, 0)
+    for stop in bounds:
+        if stop > start:
+            p = probs[start:stop]
+            out.append(DraftTree(tokens[start:stop], parents[start:stop], p, float(sum(p)), names[start:stop]))
+        else:
+            out.append(EMPTY_TREE)
+        start = stop
     return out
 
 

@@ -6,7 +6,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -183,6 +183,18 @@ class TokenStore:
                 if found is not NotImplemented:
                     return Continuations(*found)
         return self.lookup_numpy(context, max_match, max_occurrences, depth)
+
+    def native_lookup_args(self) -> tuple[Callable[..., Any], tuple] | None:
+        """(native lookup, its store arguments) for callers that look up many contexts in one go, or None when
+        the native kernels or index are missing. The lookup takes ``(context, *args[:5], max_match,
+        max_occurrences, depth, *args[5:])`` as ``lookup`` passes them."""
+        native = match_kernels.native
+        handles = self._indexes.native
+        if native is None or handles is None:
+            return None
+        ring = self.ring
+        return native.store_lookup, (ring._data, ring.oldest, ring.end, handles[0], handles[1], self.max_candidates,
+                                     self.max_examined)
 
     def lookup_numpy(self, context: Sequence[int] | np.ndarray, max_match: int = 32, max_occurrences: int = 32,
                      depth: int = 16) -> Continuations:

@@ -31,6 +31,10 @@ def add_batch_bench(bench: argparse._SubParsersAction) -> None:
     bp.set_defaults(func=run_batch_bench)
 
 
+HELD = 1000
+"""Held-out requests the engines replay, each once while they last."""
+
+
 class Engine:
     """B requests in flight, each replaying a held-out request's output with greedy acceptance."""
 
@@ -82,7 +86,7 @@ def run_batch_bench(args: argparse.Namespace) -> int:
     """Fill a service process, then time engine steps at each batch size and budget, both paths side by side."""
     batches, budgets = args.batch or [1, 8, 32, 128, 256], args.budget or [16, 32]
     requests = load_dataset("sharegpt", 3000)
-    held, fill = requests[-400:], requests[:-400]
+    held, fill = requests[-HELD:], requests[:-HELD]
     with tempfile.TemporaryDirectory(prefix="drafter-bench-") as tmp:
         svc = ServiceProcess(Path(tmp) / "data", capacity=int(args.tokens * 1.3) + 1024)
         svc.start()
@@ -97,13 +101,17 @@ def run_batch_bench(args: argparse.Namespace) -> int:
             print("| B | budget | per-request Draft: ms/step | DraftBatch: ms/step | speedup | DraftBatch drafts/s |")
             print("|---|---|---|---|---|---|")
             with DrafterClient(svc.address, timeout=30.0, reuse=bool(args.reuse)) as client:
+                cursor = 0  # every engine replays requests no earlier engine stored (else the repeat cache answers)
                 for budget in budgets:
                     for b in batches:
                         medians = []
                         for batched in (False, True):
-                            engine = Engine(client, held, b, offset=7 * b + budget)
+                            engine = Engine(client, held, b, offset=cursor)
                             medians.append(float(np.median(_time_steps(engine, batched, budget, args.steps))))
                             engine.close()
+                            if engine.next > len(held) >= cursor:
+                                print(f"(requests replayed from here on: the {len(held)} held-out ones are used up)")
+                            cursor = engine.next
                         single, batch = medians
                         print(f"| {b} | {budget} | {single:.2f} | {batch:.2f} | {single / batch:.1f}× | "
                               f"{b / batch * 1e3:,.0f} |", flush=True)

@@ -5,6 +5,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
+#include <time.h>
 
 /* Evidence-key layout, identical to drafter_service/core/acceptance.py. */
 #define N_MATCH 10
@@ -403,6 +405,20 @@ static int get_rows(PyObject *obj, Py_buffer *view, const int **data, Py_ssize_t
     return 0;
 }
 
+/* The acceptance model's (N_KEYS,) float64 arrays (``writable`` for scoring). */
+static int get_model(PyObject *acc_obj, PyObject *trials_obj, Py_buffer *vacc, Py_buffer *vtr, int writable) {
+    int flags = writable ? PyBUF_WRITABLE : PyBUF_SIMPLE;
+    if (PyObject_GetBuffer(acc_obj, vacc, flags) < 0) return -1;
+    if (PyObject_GetBuffer(trials_obj, vtr, flags) < 0) return -1;
+    if (vacc->len < (Py_ssize_t)(N_KEYS * sizeof(double)) || vtr->len < (Py_ssize_t)(N_KEYS * sizeof(double))) {
+        PyErr_SetString(PyExc_ValueError, "acceptance arrays too short");
+        return -1;
+    }
+    return 0;
+}
+
+#define N_BUFS 19
+
 static PyObject *list_from_ints(const int *v, Py_ssize_t n) {
     PyObject *t = PyTuple_New(n);
     if (!t) return NULL;
@@ -415,6 +431,87 @@ static PyObject *tuple_from_doubles(const double *v, Py_ssize_t n) {
     if (!t) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(t, i, PyFloat_FromDouble(v[i]));
     return t;
+}
+
+static void builder_bufs(Builder *B, Buf **out) {
+    Buf *bufs[] = {&B->cands, &B->heap, &B->row_pool, &B->st_pool, &B->tok_pool, &B->ev_key, &B->ev_prior,
+                   &B->children, &B->scratch_rows, &B->scratch_st, &B->gathered_rows, &B->gathered_st, &B->out_tok,
+                   &B->out_parent, &B->out_prob, &B->out_kinds, &B->out_ev_off, &B->out_ev_key, &B->out_ev_prior};
+    for (size_t i = 0; i < N_BUFS; i++) out[i] = bufs[i];
+}
+
+static void builder_init(Builder *B) {
+    memset(B, 0, sizeof *B);
+    Buf init[N_BUFS] = {BUF(Cand), BUF(int), BUF(int), BUF(State), BUF(int), BUF(int), BUF(double), BUF(Child),
+                        BUF(RowPair), BUF(StPair), BUF(int), BUF(State), BUF(int), BUF(int), BUF(double), BUF(int),
+                        BUF(int), BUF(int), BUF(double)};
+    Buf *bufs[N_BUFS];
+    builder_bufs(B, bufs);
+    for (size_t i = 0; i < N_BUFS; i++) *bufs[i] = init[i];
+}
+
+/* Empty every buffer (keeping its memory) for the next tree. */
+static void builder_clear(Builder *B) {
+    Buf *bufs[N_BUFS];
+    builder_bufs(B, bufs);
+    for (size_t i = 0; i < N_BUFS; i++) bufs[i]->len = 0;
+    B->seq = 0;
+}
+
+static void builder_free(Builder *B) {
+    Buf *bufs[N_BUFS];
+    builder_bufs(B, bufs);
+    for (size_t i = 0; i < N_BUFS; i++) buf_free(bufs[i]);
+}
+
+/* (kind, table, branch) items into the builder (borrowed references). */
+static int parse_tables(Builder *B, PyObject *tables) {
+    B->ntables = (int)PySequence_Fast_GET_SIZE(tables);
+    if (B->ntables > MAX_TABLES) { PyErr_SetString(PyExc_ValueError, "too many tables"); return -1; }
+    for (int t = 0; t < B->ntables; t++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(tables, t);
+        if (!PyArg_ParseTuple(item, "iOi", &B->table_kind[t], &B->tables[t], &B->table_branch[t])) return -1;
+        if (B->table_kind[t] != 2 && B->table_kind[t] != 3) {
+            PyErr_SetString(PyExc_ValueError, "table kind must be 2 or 3");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Grow the tree best-first from the inputs already set; the result is in the out_* buffers. */
+static int builder_run(Builder *B) {
+    Py_ssize_t total = B->nrows[0] + B->nrows[1];
+    if (buf_reserve(&B->row_pool, total) < 0) return -1;
+    for (Py_ssize_t i = 0; i < total; i++) AT(B->row_pool, int, i) = (int)i;
+    B->row_pool.len = total;
+    if (expand(B, -1, 1.0, 0, 0, (int)total, 0, 0) < 0) return -1;
+    if (buf_reserve(&B->out_ev_off, 1) < 0) return -1;
+    AT(B->out_ev_off, int, B->out_ev_off.len++) = 0;
+    while (B->heap.len && B->out_tok.len < B->max_nodes) {
+        Cand c = AT(B->cands, Cand, heap_pop(B));
+        if (buf_reserve(&B->out_tok, 1) < 0 || buf_reserve(&B->out_parent, 1) < 0 || buf_reserve(&B->out_prob, 1) < 0 ||
+            buf_reserve(&B->out_kinds, 1) < 0 || buf_reserve(&B->out_ev_off, 1) < 0 ||
+            buf_reserve(&B->out_ev_key, c.ev_len) < 0 || buf_reserve(&B->out_ev_prior, c.ev_len) < 0)
+            return -1;
+        int node = (int)B->out_tok.len;
+        AT(B->out_tok, int, B->out_tok.len++) = c.tok;
+        AT(B->out_parent, int, B->out_parent.len++) = c.parent;
+        AT(B->out_prob, double, B->out_prob.len++) = c.p;
+        int low = 0;
+        while (!(c.kinds >> low & 1) && low < 8) low++;
+        AT(B->out_kinds, int, B->out_kinds.len++) = low;
+        for (int i = 0; i < c.ev_len; i++) {
+            AT(B->out_ev_key, int, B->out_ev_key.len++) = AT(B->ev_key, int, c.ev_off + i);
+            AT(B->out_ev_prior, double, B->out_ev_prior.len++) = AT(B->ev_prior, double, c.ev_off + i);
+        }
+        AT(B->out_ev_off, int, B->out_ev_off.len++) = (int)B->out_ev_key.len;
+        if (B->out_tok.len >= B->max_nodes) break;
+        if (c.depth < B->max_depth &&
+            expand(B, node, c.p, c.depth, c.rows_off, c.rows_len, c.st_off, c.st_len) < 0)
+            return -1;
+    }
+    return 0;
 }
 
 /* build(context_tail, session_rows, session_match, store_rows, store_match, tables, leader_len,
@@ -432,39 +529,17 @@ static PyObject *build(PyObject *self, PyObject *args) {
         return NULL;
     }
     Builder B;
-    memset(&B, 0, sizeof B);
-    Buf init[] = {BUF(Cand), BUF(int), BUF(int), BUF(State), BUF(int), BUF(int), BUF(double), BUF(Child),
-                  BUF(RowPair), BUF(StPair), BUF(int), BUF(State), BUF(int), BUF(int), BUF(double), BUF(int),
-                  BUF(int), BUF(int), BUF(double)};
-    Buf *bufs[] = {&B.cands, &B.heap, &B.row_pool, &B.st_pool, &B.tok_pool, &B.ev_key, &B.ev_prior, &B.children,
-                   &B.scratch_rows, &B.scratch_st, &B.gathered_rows, &B.gathered_st, &B.out_tok, &B.out_parent,
-                   &B.out_prob, &B.out_kinds, &B.out_ev_off, &B.out_ev_key, &B.out_ev_prior};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) *bufs[i] = init[i];
-    Py_buffer v0 = {0}, v1 = {0}, vctx = {0}, vacc = {0}, vtr = {0};
+    builder_init(&B);
+    Py_buffer v0 = {0}, v1 = {0}, vacc = {0}, vtr = {0};
     PyObject *result = NULL, *tables = NULL;
     int ctx_tmp[MAX_LEADER];
     if (get_rows(rows0_obj, &v0, &B.rows[0], &B.nrows[0], &B.width[0]) < 0) goto done;
     if (get_rows(rows1_obj, &v1, &B.rows[1], &B.nrows[1], &B.width[1]) < 0) goto done;
-    if (PyObject_GetBuffer(acc_obj, &vacc, PyBUF_SIMPLE) < 0) goto done;
-    if (PyObject_GetBuffer(trials_obj, &vtr, PyBUF_SIMPLE) < 0) goto done;
-    if (vacc.len < (Py_ssize_t)(N_KEYS * sizeof(double)) || vtr.len < (Py_ssize_t)(N_KEYS * sizeof(double))) {
-        PyErr_SetString(PyExc_ValueError, "acceptance arrays too short");
-        goto done;
-    }
+    if (get_model(acc_obj, trials_obj, &vacc, &vtr, 0) < 0) goto done;
     B.acc = (const double *)vacc.buf;
     B.trials = (const double *)vtr.buf;
     tables = PySequence_Fast(tables_obj, "tables must be a sequence of (kind, table, branch)");
-    if (!tables) goto done;
-    B.ntables = (int)PySequence_Fast_GET_SIZE(tables);
-    if (B.ntables > MAX_TABLES) { PyErr_SetString(PyExc_ValueError, "too many tables"); goto done; }
-    for (int t = 0; t < B.ntables; t++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(tables, t);
-        if (!PyArg_ParseTuple(item, "iOi", &B.table_kind[t], &B.tables[t], &B.table_branch[t])) goto done;
-        if (B.table_kind[t] != 2 && B.table_kind[t] != 3) {
-            PyErr_SetString(PyExc_ValueError, "table kind must be 2 or 3");
-            goto done;
-        }
-    }
+    if (!tables || parse_tables(&B, tables) < 0) goto done;
     {
         PyObject *ctx = PySequence_Fast(ctx_obj, "context must be a sequence");
         if (!ctx) goto done;
@@ -479,38 +554,7 @@ static PyObject *build(PyObject *self, PyObject *args) {
     B.match_len[0] = m0; B.match_len[1] = m1;
     B.leader_len = leader_len; B.max_nodes = max_nodes; B.max_depth = max_depth;
     B.min_prob = min_prob; B.branch = branch;
-    {
-        Py_ssize_t total = B.nrows[0] + B.nrows[1];
-        if (buf_reserve(&B.row_pool, total) < 0) goto done;
-        for (Py_ssize_t i = 0; i < total; i++) AT(B.row_pool, int, i) = (int)i;
-        B.row_pool.len = total;
-        if (expand(&B, -1, 1.0, 0, 0, (int)total, 0, 0) < 0) goto done;
-    }
-    if (buf_reserve(&B.out_ev_off, 1) < 0) goto done;
-    AT(B.out_ev_off, int, B.out_ev_off.len++) = 0;
-    while (B.heap.len && B.out_tok.len < max_nodes) {
-        Cand c = AT(B.cands, Cand, heap_pop(&B));
-        if (buf_reserve(&B.out_tok, 1) < 0 || buf_reserve(&B.out_parent, 1) < 0 || buf_reserve(&B.out_prob, 1) < 0 ||
-            buf_reserve(&B.out_kinds, 1) < 0 || buf_reserve(&B.out_ev_off, 1) < 0 ||
-            buf_reserve(&B.out_ev_key, c.ev_len) < 0 || buf_reserve(&B.out_ev_prior, c.ev_len) < 0)
-            goto done;
-        int node = (int)B.out_tok.len;
-        AT(B.out_tok, int, B.out_tok.len++) = c.tok;
-        AT(B.out_parent, int, B.out_parent.len++) = c.parent;
-        AT(B.out_prob, double, B.out_prob.len++) = c.p;
-        int low = 0;
-        while (!(c.kinds >> low & 1) && low < 8) low++;
-        AT(B.out_kinds, int, B.out_kinds.len++) = low;
-        for (int i = 0; i < c.ev_len; i++) {
-            AT(B.out_ev_key, int, B.out_ev_key.len++) = AT(B.ev_key, int, c.ev_off + i);
-            AT(B.out_ev_prior, double, B.out_ev_prior.len++) = AT(B.ev_prior, double, c.ev_off + i);
-        }
-        AT(B.out_ev_off, int, B.out_ev_off.len++) = (int)B.out_ev_key.len;
-        if (B.out_tok.len >= max_nodes) break;
-        if (c.depth < max_depth &&
-            expand(&B, node, c.p, c.depth, c.rows_off, c.rows_len, c.st_off, c.st_len) < 0)
-            goto done;
-    }
+    if (builder_run(&B) < 0) goto done;
     result = Py_BuildValue("(NNNNNNN)", list_from_ints((int *)B.out_tok.data, B.out_tok.len),
                            list_from_ints((int *)B.out_parent.data, B.out_parent.len),
                            tuple_from_doubles((double *)B.out_prob.data, B.out_prob.len),
@@ -519,12 +563,11 @@ static PyObject *build(PyObject *self, PyObject *args) {
                            list_from_ints((int *)B.out_ev_key.data, B.out_ev_key.len),
                            tuple_from_doubles((double *)B.out_ev_prior.data, B.out_ev_prior.len));
 done:
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) buf_free(bufs[i]);
+    builder_free(&B);
     if (v0.obj) PyBuffer_Release(&v0);
     if (v1.obj) PyBuffer_Release(&v1);
     if (vacc.obj) PyBuffer_Release(&vacc);
     if (vtr.obj) PyBuffer_Release(&vtr);
-    (void)vctx;
     Py_XDECREF(tables);
     return result;
 }
@@ -592,9 +635,434 @@ done:
     return result;
 }
 
+/* ---- packed drafts: a tree and its evidence in one bytes object --------------------------------
+ * int32 n, nev; int32 tokens[n], parents[n], kinds[n], ev_offsets[n + 1], keys[nev]; float64 priors[nev]. */
+
+typedef struct {
+    int n, nev;
+    const char *tokens, *parents, *kinds, *offsets, *keys, *priors;  /* unaligned: read with memcpy */
+} Packed;
+
+static int ld_int(const char *base, Py_ssize_t i) { int v; memcpy(&v, base + 4 * i, 4); return v; }
+static double ld_double(const char *base, Py_ssize_t i) { double v; memcpy(&v, base + 8 * i, 8); return v; }
+
+static int packed_view(PyObject *obj, Packed *p) {
+    if (!PyBytes_Check(obj) || PyBytes_GET_SIZE(obj) < 8) {
+        PyErr_SetString(PyExc_TypeError, "a packed draft must be bytes");
+        return -1;
+    }
+    const char *d = PyBytes_AS_STRING(obj);
+    p->n = ld_int(d, 0);
+    p->nev = ld_int(d, 1);
+    Py_ssize_t need = 8 + 4 * ((Py_ssize_t)p->n * 4 + 1 + p->nev) + 8 * (Py_ssize_t)p->nev;
+    if (p->n < 0 || p->nev < 0 || PyBytes_GET_SIZE(obj) != need) {
+        PyErr_SetString(PyExc_ValueError, "malformed packed draft");
+        return -1;
+    }
+    p->tokens = d + 8;
+    p->parents = p->tokens + 4 * (Py_ssize_t)p->n;
+    p->kinds = p->parents + 4 * (Py_ssize_t)p->n;
+    p->offsets = p->kinds + 4 * (Py_ssize_t)p->n;
+    p->keys = p->offsets + 4 * ((Py_ssize_t)p->n + 1);
+    p->priors = p->keys + 4 * (Py_ssize_t)p->nev;
+    return 0;
+}
+
+/* The builder's last tree as a packed draft (NULL on error). */
+static PyObject *pack_tree(const Builder *B) {
+    Py_ssize_t n = B->out_tok.len, nev = B->out_ev_key.len;
+    PyObject *obj = PyBytes_FromStringAndSize(NULL, 8 + 4 * (n * 4 + 1 + nev) + 8 * nev);
+    if (!obj) return NULL;
+    char *d = PyBytes_AS_STRING(obj);
+    int head[2] = {(int)n, (int)nev};
+    memcpy(d, head, 8);
+    d += 8;
+    memcpy(d, B->out_tok.data, 4 * n); d += 4 * n;
+    memcpy(d, B->out_parent.data, 4 * n); d += 4 * n;
+    memcpy(d, B->out_kinds.data, 4 * n); d += 4 * n;
+    memcpy(d, B->out_ev_off.data, 4 * (n + 1)); d += 4 * (n + 1);
+    memcpy(d, B->out_ev_key.data, 4 * nev); d += 4 * nev;
+    memcpy(d, B->out_ev_prior.data, 8 * nev);
+    return obj;
+}
+
+/* pack(tokens, parents, kinds, ev_offsets, ev_keys, ev_priors) -> a packed draft of a tree built earlier */
+static PyObject *pack(PyObject *self, PyObject *args) {
+    PyObject *objs[6];
+    if (!PyArg_ParseTuple(args, "OOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5])) return NULL;
+    PyObject *seqs[6] = {NULL, NULL, NULL, NULL, NULL, NULL}, *result = NULL;
+    for (int i = 0; i < 6; i++)
+        if (!(seqs[i] = PySequence_Fast(objs[i], "pack takes sequences"))) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seqs[0]), nev = PySequence_Fast_GET_SIZE(seqs[4]);
+    if (PySequence_Fast_GET_SIZE(seqs[1]) != n || PySequence_Fast_GET_SIZE(seqs[2]) != n ||
+        PySequence_Fast_GET_SIZE(seqs[3]) != n + 1 || PySequence_Fast_GET_SIZE(seqs[5]) != nev) {
+        PyErr_SetString(PyExc_ValueError, "tree arrays of different lengths");
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize(NULL, 8 + 4 * (n * 4 + 1 + nev) + 8 * nev);
+    if (!result) goto done;
+    char *d = PyBytes_AS_STRING(result);
+    int head[2] = {(int)n, (int)nev};
+    memcpy(d, head, 8);
+    d += 8;
+    for (int a = 0; a < 5; a++) {
+        Py_ssize_t len = PySequence_Fast_GET_SIZE(seqs[a]);
+        for (Py_ssize_t i = 0; i < len; i++, d += 4) {
+            int v = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(seqs[a], i));
+            memcpy(d, &v, 4);
+        }
+    }
+    for (Py_ssize_t i = 0; i < nev; i++, d += 8) {
+        double v = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seqs[5], i));
+        memcpy(d, &v, 8);
+    }
+    if (PyErr_Occurred()) Py_CLEAR(result);
+done:
+    for (int i = 0; i < 6; i++) Py_XDECREF(seqs[i]);
+    return result;
+}
+
+/* score() over a packed draft: the confirmed path's node kinds into kinds_out (room for min(na, n)).
+ * Returns the draft tokens confirmed, or -1 on a malformed key. */
+static long score_core(const Packed *p, const int *accepted, Py_ssize_t na, double *acc, double *trials,
+                       double strength, double horizon, int *kinds_out) {
+    long node = -1, confirmed = 0;
+    while (confirmed < na) {
+        int want = accepted[confirmed];
+        long next = -2, tested = 0;
+        for (int i = 0; i < p->n; i++) {
+            if (ld_int(p->parents, i) != node) continue;
+            tested++;
+            int hit = ld_int(p->tokens, i) == want;
+            if (hit) next = i;
+            for (int e = ld_int(p->offsets, i), hi = ld_int(p->offsets, i + 1); e < hi; e++) {
+                int key = ld_int(p->keys, e);
+                if (key < 0 || key >= N_KEYS) { PyErr_SetString(PyExc_ValueError, "evidence key out of range"); return -1; }
+                if (trials[key] == 0.0) { acc[key] = ld_double(p->priors, e) * strength; trials[key] = strength; }
+                acc[key] += hit ? 1.0 : 0.0;
+                trials[key] += 1.0;
+                if (trials[key] > horizon) { acc[key] *= 0.5; trials[key] *= 0.5; }
+            }
+        }
+        if (!tested || next < 0) break;
+        kinds_out[confirmed] = ld_int(p->kinds, next);
+        node = next;
+        confirmed++;
+    }
+    return confirmed;
+}
+
+/* score_packed(packed, accepted, acc, trials, strength, horizon) -> (confirmed, nodes, kinds of the confirmed) */
+static PyObject *score_packed(PyObject *self, PyObject *args) {
+    PyObject *packed_o, *acc_o, *tr_o, *accd_o;
+    double strength, horizon;
+    if (!PyArg_ParseTuple(args, "OOOOdd", &packed_o, &accd_o, &acc_o, &tr_o, &strength, &horizon)) return NULL;
+    Packed p;
+    if (packed_view(packed_o, &p) < 0) return NULL;
+    PyObject *accd = PySequence_Fast(accd_o, "accepted must be a sequence"), *result = NULL;
+    if (!accd) return NULL;
+    Py_buffer va = {0}, vt = {0};
+    Py_ssize_t na = PySequence_Fast_GET_SIZE(accd);
+    int *toks = PyMem_Malloc(sizeof(int) * (size_t)(2 * na + 1)), *kinds = toks + na;
+    if (!toks) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < na; i++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(accd, i));
+        if (v == -1 && PyErr_Occurred()) goto done;
+        toks[i] = (int)v;
+    }
+    if (get_model(acc_o, tr_o, &va, &vt, 1) < 0) goto done;
+    long confirmed = score_core(&p, toks, na, (double *)va.buf, (double *)vt.buf, strength, horizon, kinds);
+    if (confirmed < 0) goto done;
+    result = Py_BuildValue("(liN)", confirmed, p.n, list_from_ints(kinds, confirmed));
+done:
+    if (va.obj) PyBuffer_Release(&va);
+    if (vt.obj) PyBuffer_Release(&vt);
+    PyMem_Free(toks);
+    Py_DECREF(accd);
+    return result;
+}
+
+/* ---- one engine step of many sessions ------------------------------------------------------------ */
+
+static PyObject *update_name;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* A suffix match of a session: (match_len, rows) from lookup(...) -> None | (m, counts, rows) | NotImplemented,
+ * or from fallback(kind, tokens[:n]) -> Continuations when the native lookup declines. *rows_out is a new
+ * reference (NULL: no match). */
+static int match_rows(PyObject *lookup, PyObject *const *args, size_t nargs, PyObject *fallback, int kind,
+                      PyObject *tokens, long *m_out, PyObject **rows_out) {
+    *m_out = 0;
+    *rows_out = NULL;
+    PyObject *found = lookup ? PyObject_Vectorcall(lookup, args, nargs, NULL) : Py_NewRef(Py_NotImplemented);
+    if (!found) return -1;
+    if (found == Py_NotImplemented) {
+        Py_DECREF(found);
+        found = PyObject_CallFunction(fallback, "iO", kind, tokens);
+        if (!found) return -1;
+        PyObject *m = PyObject_GetAttrString(found, "match_len"), *rows = PyObject_GetAttrString(found, "rows");
+        Py_DECREF(found);
+        if (!m || !rows) { Py_XDECREF(m); Py_XDECREF(rows); return -1; }
+        *m_out = PyLong_AsLong(m);
+        Py_DECREF(m);
+        if (*m_out == -1 && PyErr_Occurred()) { Py_DECREF(rows); return -1; }
+        if (*m_out) *rows_out = rows; else Py_DECREF(rows);
+        return 0;
+    }
+    if (found == Py_None) { Py_DECREF(found); return 0; }
+    if (!PyTuple_Check(found) || PyTuple_GET_SIZE(found) != 3) {
+        Py_DECREF(found);
+        PyErr_SetString(PyExc_TypeError, "a lookup must return (match_len, counts, rows)");
+        return -1;
+    }
+    *m_out = PyLong_AsLong(PyTuple_GET_ITEM(found, 0));
+    if (*m_out == -1 && PyErr_Occurred()) { Py_DECREF(found); return -1; }
+    if (*m_out) *rows_out = Py_NewRef(PyTuple_GET_ITEM(found, 2));
+    Py_DECREF(found);
+    return 0;
+}
+
+static int append_long(PyObject *list, long v) {
+    PyObject *o = PyLong_FromLong(v);
+    if (!o) return -1;
+    int r = PyList_Append(list, o);
+    Py_DECREF(o);
+    return r;
+}
+
+static int append_double(PyObject *list, double v) {
+    PyObject *o = PyFloat_FromDouble(v);
+    if (!o) return -1;
+    int r = PyList_Append(list, o);
+    Py_DECREF(o);
+    return r;
+}
+
+static long list_long(PyObject *list, Py_ssize_t i) { return PyLong_AsLong(PyList_GET_ITEM(list, i)); }
+
+/* steps(buffers, lengths, accepted, offsets, lasts, limits, report, emas, settings)
+ * For each session in order, exactly as the per-session path: score its last packed draft against its accepted
+ * tokens and append them (teaching the dynamic table), then (unless report-only) draft within its budget from
+ * the session's own tokens, the store and the tables. See ``batch_steps.draft_steps`` for the arguments. */
+static PyObject *steps(PyObject *self, PyObject *args) {
+    PyObject *bufs, *lens, *accepted_o, *offsets, *lasts, *limits, *report, *emas, *settings;
+    if (!PyArg_ParseTuple(args, "O!O!OO!O!O!O!O!O!", &PyList_Type, &bufs, &PyList_Type, &lens, &accepted_o,
+                          &PyList_Type, &offsets, &PyList_Type, &lasts, &PyList_Type, &limits, &PyList_Type, &report,
+                          &PyList_Type, &emas, &PyTuple_Type, &settings))
+        return NULL;
+    PyObject *session_fn, *store_fn, *store_args, *fallback, *dynamic, *tables_obj, *acc_obj, *trials_obj;
+    int use_session, use_store, ctx_len, leader_len, max_match, max_occ, max_depth, branch, adaptive, min_nodes;
+    double min_prob, strength, horizon;
+    if (!PyArg_ParseTuple(settings, "iOiOOOOOiiOOddiiidiii", &use_session, &session_fn, &use_store, &store_fn,
+                          &store_args, &fallback, &dynamic, &tables_obj, &ctx_len, &leader_len, &acc_obj, &trials_obj,
+                          &strength, &horizon, &max_match, &max_occ, &max_depth, &min_prob, &branch, &adaptive,
+                          &min_nodes))
+        return NULL;
+    Py_ssize_t nb = PyList_GET_SIZE(bufs);
+    if (PyList_GET_SIZE(lens) != nb || PyList_GET_SIZE(offsets) != nb + 1 || PyList_GET_SIZE(lasts) != nb ||
+        PyList_GET_SIZE(limits) != nb || PyList_GET_SIZE(report) != nb || PyList_GET_SIZE(emas) != nb) {
+        PyErr_SetString(PyExc_ValueError, "per-session lists of different lengths");
+        return NULL;
+    }
+    if (leader_len < 1 || leader_len > MAX_LEADER || ctx_len < 1) {
+        PyErr_SetString(PyExc_ValueError, "leader_len out of range");
+        return NULL;
+    }
+    if (session_fn == Py_None) session_fn = NULL;
+    if (store_fn == Py_None) store_fn = NULL;
+    if (dynamic == Py_None) dynamic = NULL;
+    if (store_fn && (!PyTuple_Check(store_args) || PyTuple_GET_SIZE(store_args) != 7)) {
+        PyErr_SetString(PyExc_TypeError, "store arguments must be (ring, oldest, end, delta, main, candidates, "
+                        "examined)");
+        return NULL;
+    }
+    Builder B;
+    builder_init(&B);
+    Py_buffer vacc = {0}, vtr = {0}, vin = {0};
+    PyObject *tables = NULL, *result = NULL;
+    PyObject *o_off = NULL, *o_tok = NULL, *o_par = NULL, *o_prob = NULL, *o_kind = NULL, *o_conf = NULL;
+    PyObject *o_last = NULL, *o_len = NULL, *o_ema = NULL, *o_scored = NULL, *o_lat = NULL;
+    long drafted_kinds[4] = {0, 0, 0, 0}, confirmed_kinds[4] = {0, 0, 0, 0};
+    int kinds_tmp[1024];
+    PyObject *lim_o = NULL, *m_o = NULL, *occ_o = NULL, *dep_o = NULL;
+    if (PyObject_GetBuffer(accepted_o, &vin, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto done;
+    if (vin.itemsize != 4 || (vin.format && strcmp(vin.format, "i") != 0 && strcmp(vin.format, "<i") != 0 &&
+                              strcmp(vin.format, "=i") != 0)) {
+        PyErr_SetString(PyExc_TypeError, "accepted must be a C-contiguous int32 array");
+        goto done;
+    }
+    if (get_model(acc_obj, trials_obj, &vacc, &vtr, 1) < 0) goto done;
+    B.acc = (const double *)vacc.buf;
+    B.trials = (const double *)vtr.buf;
+    tables = PySequence_Fast(tables_obj, "tables must be a sequence of (kind, table, branch)");
+    if (!tables || parse_tables(&B, tables) < 0) goto done;
+    B.leader_len = leader_len; B.max_depth = max_depth; B.min_prob = min_prob; B.branch = branch;
+    m_o = PyLong_FromLong(max_match); occ_o = PyLong_FromLong(max_occ); dep_o = PyLong_FromLong(max_depth);
+    o_off = PyList_New(0); o_tok = PyList_New(0); o_par = PyList_New(0); o_prob = PyList_New(0);
+    o_kind = PyList_New(0); o_conf = PyList_New(0); o_last = PyList_New(0); o_len = PyList_New(0);
+    o_ema = PyList_New(0); o_scored = PyList_New(0); o_lat = PyList_New(0);
+    if (!m_o || !occ_o || !dep_o || !o_off || !o_tok || !o_par || !o_prob || !o_kind || !o_conf || !o_last || !o_len ||
+        !o_ema || !o_scored || !o_lat || append_long(o_off, 0) < 0)
+        goto done;
+    const int *flat = (const int *)vin.buf;
+    Py_ssize_t nflat = vin.len / 4;
+    double *acc = (double *)vacc.buf, *trials = (double *)vtr.buf;
+    long node_total = 0;
+    for (Py_ssize_t s = 0; s < nb; s++) {
+        int64_t t0 = now_ns();
+        PyObject *buf = PyList_GET_ITEM(bufs, s), *last = PyList_GET_ITEM(lasts, s);
+        long n = list_long(lens, s), lo = list_long(offsets, s), hi = list_long(offsets, s + 1);
+        long limit = list_long(limits, s);
+        int rep = PyObject_IsTrue(PyList_GET_ITEM(report, s));
+        double ema = PyFloat_AsDouble(PyList_GET_ITEM(emas, s));
+        if (PyErr_Occurred() || rep < 0) goto done;
+        if (lo < 0 || hi < lo || hi > nflat || n < 0) {
+            PyErr_SetString(PyExc_ValueError, "accepted offsets out of range");
+            goto done;
+        }
+        Py_buffer vb;
+        if (PyObject_GetBuffer(buf, &vb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        long k = hi - lo;
+        if (vb.itemsize != 4 || vb.len / 4 < n + k) {
+            PyBuffer_Release(&vb);
+            PyErr_SetString(PyExc_ValueError, "a session buffer is not an int32 array with room for its tokens");
+            goto done;
+        }
+        int *tok = (int *)vb.buf;
+        const int *a = flat + lo;
+        long confirmed = 0, scored = 0;
+        PyObject *new_last = last;  /* borrowed until stored */
+        if (k > 0) {
+            if (last != Py_None) {
+                Packed p;
+                if (packed_view(last, &p) < 0) { PyBuffer_Release(&vb); goto done; }
+                int *kinds = k <= 1024 ? kinds_tmp : PyMem_Malloc(sizeof(int) * (size_t)k);
+                if (!kinds) { PyBuffer_Release(&vb); PyErr_NoMemory(); goto done; }
+                confirmed = score_core(&p, a, k, acc, trials, strength, horizon, kinds);
+                for (long i = 0; i < confirmed; i++) confirmed_kinds[kinds[i] & 3]++;
+                if (kinds != kinds_tmp) PyMem_Free(kinds);
+                if (confirmed < 0) { PyBuffer_Release(&vb); goto done; }
+                scored = p.n;
+                if (p.n) ema += 0.25 * ((double)confirmed - ema);
+            }
+            new_last = Py_None;
+            memcpy(tok + n, a, sizeof(int) * (size_t)k);
+            long before = n;
+            n += k;
+            if (dynamic) {
+                PyObject *window = PySequence_GetSlice(buf, before > 8 ? before - 8 : 0, n);
+                PyObject *nf = window ? PyLong_FromLong(before < 8 ? before : 8) : NULL;
+                PyObject *uargs[3] = {dynamic, window, nf};
+                PyObject *r = nf ? PyObject_VectorcallMethod(update_name, uargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                                              NULL) : NULL;
+                Py_XDECREF(window);
+                Py_XDECREF(nf);
+                if (!r) { PyBuffer_Release(&vb); goto done; }
+                Py_DECREF(r);
+            }
+        }
+        long budget = 0;
+        if (!rep) {
+            budget = limit;
+            if (adaptive) {
+                long wanted = (long)nearbyint(min_nodes * (1.0 + 2.0 * ema));
+                long floor_ = min_nodes < limit ? min_nodes : limit;
+                budget = limit < wanted ? limit : wanted;
+                if (budget < floor_) budget = floor_;
+            }
+        }
+        if (budget > 0 && n > 0) {
+            PyObject *rows_o[2] = {NULL, NULL};
+            long ml[2] = {0, 0};
+            Py_buffer vr[2] = {{0}, {0}};
+            PyObject *view = PySequence_GetSlice(buf, 0, n);
+            PyObject *n_o = view ? PyLong_FromLong(n) : NULL;
+            int ok = n_o != NULL;
+            if (ok && use_session) {
+                PyObject *sargs[5] = {buf, n_o, m_o, occ_o, dep_o};
+                ok = match_rows(session_fn, sargs, 5, fallback, 0, view, &ml[0], &rows_o[0]) == 0;
+            }
+            if (ok && use_store) {
+                PyObject *sargs[11] = {view, PyTuple_GET_ITEM(store_args, 0), PyTuple_GET_ITEM(store_args, 1),
+                                       PyTuple_GET_ITEM(store_args, 2), PyTuple_GET_ITEM(store_args, 3),
+                                       PyTuple_GET_ITEM(store_args, 4), m_o, occ_o, dep_o,
+                                       PyTuple_GET_ITEM(store_args, 5), PyTuple_GET_ITEM(store_args, 6)};
+                ok = match_rows(store_fn, sargs, 11, fallback, 1, view, &ml[1], &rows_o[1]) == 0;
+            }
+            Py_XDECREF(view);
+            Py_XDECREF(n_o);
+            builder_clear(&B);
+            B.rows[0] = B.rows[1] = NULL;
+            B.nrows[0] = B.nrows[1] = B.width[0] = B.width[1] = 0;
+            for (int kind = 0; ok && kind < 2; kind++)
+                if (rows_o[kind] && get_rows(rows_o[kind], &vr[kind], &B.rows[kind], &B.nrows[kind], &B.width[kind]) < 0)
+                    ok = 0;
+            int ctx[MAX_LEADER];
+            int cl = ctx_len < leader_len ? ctx_len : leader_len;
+            if (cl > n) cl = (int)n;
+            for (int i = 0; i < cl; i++) ctx[i] = tok[n - cl + i];
+            B.context_tail = ctx;
+            B.context_len = cl;
+            B.match_len[0] = (int)ml[0]; B.match_len[1] = (int)ml[1];
+            B.max_nodes = (int)budget;
+            if (ok && builder_run(&B) < 0) ok = 0;
+            for (int kind = 0; kind < 2; kind++) {
+                if (vr[kind].obj) PyBuffer_Release(&vr[kind]);
+                Py_XDECREF(rows_o[kind]);
+            }
+            if (!ok) { PyBuffer_Release(&vb); goto done; }
+            Py_ssize_t nn = B.out_tok.len;
+            for (Py_ssize_t i = 0; i < nn; i++) {
+                int kind = AT(B.out_kinds, int, i);
+                drafted_kinds[kind & 3]++;
+                if (append_long(o_tok, AT(B.out_tok, int, i)) < 0 || append_long(o_par, AT(B.out_parent, int, i)) < 0 ||
+                    append_double(o_prob, AT(B.out_prob, double, i)) < 0 || append_long(o_kind, kind) < 0) {
+                    PyBuffer_Release(&vb);
+                    goto done;
+                }
+            }
+            node_total += (long)nn;
+            new_last = nn ? pack_tree(&B) : Py_NewRef(Py_None);
+            if (!new_last) { PyBuffer_Release(&vb); goto done; }
+        } else {
+            Py_INCREF(new_last);
+        }
+        PyBuffer_Release(&vb);
+        int err = PyList_Append(o_last, new_last);
+        Py_DECREF(new_last);
+        if (err < 0 || append_long(o_off, node_total) < 0 || append_long(o_conf, confirmed) < 0 ||
+            append_long(o_len, n) < 0 || append_double(o_ema, ema) < 0 || append_long(o_scored, scored) < 0 ||
+            append_long(o_lat, (long)(now_ns() - t0)) < 0)
+            goto done;
+    }
+    result = Py_BuildValue("(OOOOOOOOOOO(llll)(llll))", o_off, o_tok, o_par, o_prob, o_kind, o_conf, o_last, o_len,
+                           o_ema, o_scored, o_lat, drafted_kinds[0], drafted_kinds[1], drafted_kinds[2],
+                           drafted_kinds[3], confirmed_kinds[0], confirmed_kinds[1], confirmed_kinds[2],
+                           confirmed_kinds[3]);
+done:
+    builder_free(&B);
+    if (vacc.obj) PyBuffer_Release(&vacc);
+    if (vtr.obj) PyBuffer_Release(&vtr);
+    if (vin.obj) PyBuffer_Release(&vin);
+    Py_XDECREF(tables);
+    Py_XDECREF(lim_o); Py_XDECREF(m_o); Py_XDECREF(occ_o); Py_XDECREF(dep_o);
+    Py_XDECREF(o_off); Py_XDECREF(o_tok); Py_XDECREF(o_par); Py_XDECREF(o_prob); Py_XDECREF(o_kind);
+    Py_XDECREF(o_conf); Py_XDECREF(o_last); Py_XDECREF(o_len); Py_XDECREF(o_ema); Py_XDECREF(o_scored);
+    Py_XDECREF(o_lat);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"build", build, METH_VARARGS, "Best-first draft tree (see tree_builder.build_tree)."},
     {"score", score, METH_VARARGS, "Record a draft's verification outcome (see tree_builder.score_draft)."},
+    {"pack", pack, METH_VARARGS, "A packed draft of a tree and its evidence (see tree_builder.pack_draft)."},
+    {"score_packed", score_packed, METH_VARARGS, "score() over a packed draft (see tree_builder.score_packed)."},
+    {"steps", steps, METH_VARARGS, "One engine step of many sessions (see batch_steps.draft_steps)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -602,7 +1070,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tree", "Native draf
 
 PyMODINIT_FUNC PyInit__tree(void) {
     query_name = PyUnicode_InternFromString("query");
-    if (!query_name) return NULL;
+    update_name = PyUnicode_InternFromString("update");
+    if (!query_name || !update_name) return NULL;
     PyObject *lru = PyImport_ImportModule("store._lru");  /* PyCapsule_Import does not import submodules */
     Py_XDECREF(lru);
     lru_api = lru ? (LRUTableCAPI *)PyCapsule_Import("store._lru._C_API", 0) : NULL;

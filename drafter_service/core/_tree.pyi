@@ -1,5 +1,5 @@
 """Type stubs for the C extension ``drafter_service.core._tree`` (built from ``_tree.c``): the native twin of
-``tree_builder.build_tree`` and ``tree_builder.score_draft``."""
+``tree_builder.build_tree`` and ``tree_builder.score_draft``, and the batched step of ``batch_steps``."""
 
 from array import array
 from collections.abc import Sequence
@@ -19,4 +19,24 @@ def score(token_ids: Sequence[int], parents: Sequence[int], offsets: Sequence[in
           priors: Sequence[float], accepted: Sequence[int], model_accepted: array[float], model_trials: array[float],
           prior_strength: float, horizon: float) -> int:
     """Record a draft's verification outcome in the acceptance model; returns the draft tokens accepted."""
+    ...
+
+def pack(token_ids: Sequence[int], parents: Sequence[int], kinds: Sequence[int], offsets: Sequence[int],
+         keys: Sequence[int], priors: Sequence[float]) -> bytes:
+    """A packed draft (a tree with its source kinds and evidence in one buffer) that ``score_packed`` scores."""
+    ...
+
+def score_packed(packed: bytes, accepted: Sequence[int], model_accepted: array[float], model_trials: array[float],
+                 prior_strength: float, horizon: float) -> tuple[int, int, list[int]]:
+    """``score`` over a packed draft: (draft tokens accepted, nodes, source kind of each accepted node)."""
+    ...
+
+def steps(buffers: list[np.ndarray], lengths: list[int], accepted: np.ndarray, offsets: list[int],
+          lasts: list[bytes | None], limits: list[int], report: list[bool], emas: list[float],
+          settings: tuple[Any, ...],
+          ) -> tuple[list[int], list[int], list[int], list[float], list[int], list[int], list[bytes | None], list[int],
+                     list[float], list[int], list[int], tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """One engine step of many sessions, each scored, appended and drafted in order (see ``batch_steps``):
+    (tree offsets, token ids, parents, probs, source kinds, confirmed, packed drafts, lengths, averaged accepted
+    tokens, nodes scored, latencies in ns, nodes drafted per kind, nodes confirmed per kind)."""
     ...

@@ -11,6 +11,8 @@ import numpy as np
 from drafter_service.api.errors import AlreadyExists, InvalidArgument, NotFound
 from drafter_service.api.tree import EMPTY_TREE, DraftTree, merge_trees
 from drafter_service.core.acceptance import AcceptanceModel
+from drafter_service.core.batch_steps import StepsOutcome, draft_steps
+from drafter_service.core.batch_steps import available as batch_steps_available
 from drafter_service.core.config import DrafterConfig
 from drafter_service.core.model_drafts import ModelDrafts
 from drafter_service.core.repeat_cache import RepeatCache
@@ -58,9 +60,10 @@ class Drafter:
         self.model = AcceptanceModel()
         self.repeats = RepeatCache(cfg.repeat_cache_tokens)
         self.sessions: dict[str, DraftSession] = {}
-        self._policy = BudgetPolicy(cfg.adaptive_budget, cfg.min_nodes)
+        self.policy = BudgetPolicy(cfg.adaptive_budget, cfg.min_nodes)
         self._table_lock = threading.Lock()
         self._sessions_lock = threading.Lock()
+        self._batched = batch_steps_available(self)
 
     # -- validation ------------------------------------------------------------------------------------
 
@@ -117,7 +120,7 @@ class Drafter:
         with self._sessions_lock:
             if session_id in self.sessions:
                 raise AlreadyExists(f"session {session_id!r} already exists")
-            sess = DraftSession(session_id, ids, max_nodes or self.config.max_nodes, self.model, self._policy)
+            sess = DraftSession(session_id, ids, max_nodes or self.config.max_nodes, self.model, self.policy)
             self.sessions[session_id] = sess
         if self.config.use_repeat:
             sess.repeat = self.repeats.lookup(ids)
@@ -214,6 +217,18 @@ class Drafter:
                 sess.repeat_offered = _path_depth(served, branch.token_ids)
         sess.remember(tree, evidence, served)
         return served
+
+    def batchable(self, sess: DraftSession) -> bool:
+        """Whether ``draft_steps`` can take a step of ``sess`` (else ``correct`` and ``draft`` must)."""
+        return self._batched and sess.batchable
+
+    def draft_steps(self, sessions: Sequence[DraftSession], accepted: np.ndarray, offsets: list[int],
+                    limits: list[int], report: list[bool]) -> StepsOutcome:
+        """``correct`` then ``draft`` for each of many ``batchable`` sessions, in order, in one native call.
+
+        See ``batch_steps.draft_steps`` for the arguments; the trees are the ones single calls would draft.
+        """
+        return draft_steps(self, sessions, accepted, offsets, limits, report)
 
     def end(self, session_id: str, accepted: Sequence[int] | np.ndarray = ()) -> DraftSession:
         """Close a session, appending its final tokens, and ingest prompt + output into the store."""

@@ -11,7 +11,7 @@ import store.match_kernels as kernels
 from drafter_service.api.tree import EMPTY_TREE, DraftTree, accept_greedy
 from drafter_service.core.acceptance import AcceptanceModel
 from drafter_service.core.model_drafts import ModelSession
-from drafter_service.core.tree_builder import Evidence, score_draft
+from drafter_service.core.tree_builder import SOURCE_NAMES, Evidence, pack_draft, score_draft, score_packed
 from store.token_store import EMPTY, Continuations
 
 
@@ -69,6 +69,20 @@ def path_sources(tree: DraftTree, tokens: Sequence[int], n: int) -> tuple[str, .
     return tuple(out)
 
 
+def lookup_tokens(tokens: np.ndarray, n: int, max_match: int, max_occurrences: int, depth: int) -> Continuations:
+    """The numpy reference of prompt lookup over ``tokens[:n]`` (see ``DraftSession.lookup``)."""
+    if n < 2:
+        return EMPTY
+    ctx_rev = tokens[max(0, n - max_match):n][::-1].astype(np.int64)
+    m, counts, ends = kernels.scan_matches(tokens, 0, n - 1, ctx_rev, ctx_rev.size, 0)
+    if m == 0:
+        return EMPTY
+    if ends.size > max_occurrences:
+        ends = ends[-max_occurrences:]
+    ends = ends[::-1]
+    return Continuations(m, counts, kernels.continuations(tokens, ends + 1, depth, n))
+
+
 class DraftSession:
     """State of one request: prompt plus everything accepted so far, searched for prompt lookup.
 
@@ -89,6 +103,7 @@ class DraftSession:
         self._last_tree: DraftTree = EMPTY_TREE  # the model-free part of the last draft
         self._last_evidence: Evidence | None = None
         self._last_served: DraftTree | None = None  # the last draft as served, when it differs
+        self._last_packed: bytes | None = None  # the last draft and its evidence, packed, when the batch drafted it
         self.card: ModelSession | None = None  # the draft model's cache, when the namespace has one
         self.repeat: np.ndarray | None = None  # (m,) int32 stored output of the same prompt, while followed
         self.repeat_pos = 0  # output tokens so far, all equal to the start of ``repeat``
@@ -114,15 +129,45 @@ class DraftSession:
         """(n - prompt_len,) int32 the tokens appended after the prompt."""
         return self._tokens[self.prompt_len:self._len].copy()
 
-    def append(self, tokens: np.ndarray) -> None:
-        """Append tokens to the sequence (no learning; ``extend`` is the verified path)."""
-        need = self._len + tokens.size
+    def reserve(self, extra: int) -> np.ndarray:
+        """The token buffer, grown when needed so that ``extra`` more tokens fit after the sequence."""
+        need = self._len + extra
         if need > self._tokens.size:
             grown = np.full(max(need, 2 * self._tokens.size), -1, dtype=np.int32)
             grown[:self._len] = self._tokens[:self._len]
             self._tokens = grown
-        self._tokens[self._len:need] = tokens
+        return self._tokens
+
+    def append(self, tokens: np.ndarray) -> None:
+        """Append tokens to the sequence (no learning; ``extend`` is the verified path)."""
+        need = self._len + tokens.size
+        self.reserve(tokens.size)[self._len:need] = tokens
         self._len = need
+
+    @property
+    def batchable(self) -> bool:
+        """Whether the batched native step can take this session: open, no draft model, no repeat branch, and a
+        last draft served as it was built."""
+        return not self.closed and self.card is None and self.repeat is None and self._last_served is None
+
+    def batch_state(self) -> tuple[int, bytes | None, float]:
+        """(length, packed last draft, averaged accepted tokens): what the batched step reads.
+
+        A last draft of the single path (a natively built tree) is packed first; the batch scores it the same way.
+        """
+        if len(self._last_tree) and self._last_evidence is not None:
+            self._last_packed = pack_draft(self._last_tree, self._last_evidence)
+            self._last_tree, self._last_evidence = EMPTY_TREE, None
+        return self._len, self._last_packed, self._ema_accepted
+
+    def stepped(self, length: int, packed: bytes | None, ema_accepted: float, scored: int, confirmed: int) -> None:
+        """Take in what the batched step did: the new length, the draft it left to score (``packed``), the new
+        average, and the nodes of the last draft it scored (0: none) with how many of them were confirmed."""
+        self._len, self._last_packed, self._ema_accepted = length, packed, ema_accepted
+        if scored:
+            self.steps += 1
+            self.drafted += scored
+            self.accepted += confirmed
 
     def extend(self, accepted: np.ndarray) -> Confirmation:
         """Correction step: learn which nodes of the last draft were accepted, then append ``accepted``.
@@ -139,10 +184,14 @@ class DraftSession:
         return confirmed
 
     def _score_last_draft(self, accepted: np.ndarray) -> Confirmation:
-        tree, evidence, served = self._last_tree, self._last_evidence, self._last_served
-        self._last_tree, self._last_evidence, self._last_served = EMPTY_TREE, None, None
+        tree, evidence, served, packed = self._last_tree, self._last_evidence, self._last_served, self._last_packed
+        self._last_tree, self._last_evidence, self._last_served, self._last_packed = EMPTY_TREE, None, None, None
         n_acc = 0
         toks = accepted.tolist()
+        if packed is not None:  # drafted by the batched step: the tree and its evidence in one buffer
+            n_acc, nodes, kinds = score_packed(packed, toks, self.model)
+            self._count(nodes, n_acc)
+            return Confirmation(n_acc, tuple(SOURCE_NAMES[k] for k in kinds)) if n_acc else NOTHING_CONFIRMED
         if len(tree) and evidence is not None:
             n_acc = score_draft(tree, evidence, toks, self.model)
         if served is not None and len(served):
@@ -150,11 +199,16 @@ class DraftSession:
             n_acc = accept_greedy(served, toks)[0]
         if not len(tree):
             return NOTHING_CONFIRMED
-        self.steps += 1
-        self.drafted += len(tree)
-        self.accepted += n_acc
-        self._ema_accepted += 0.25 * (n_acc - self._ema_accepted)
+        self._count(len(tree), n_acc)
         return Confirmation(n_acc, path_sources(tree, toks, n_acc)) if n_acc else NOTHING_CONFIRMED
+
+    def _count(self, nodes: int, n_acc: int) -> None:
+        """A scored draft of ``nodes`` nodes confirmed ``n_acc`` of them."""
+        if nodes:
+            self.steps += 1
+            self.drafted += nodes
+            self.accepted += n_acc
+            self._ema_accepted += 0.25 * (n_acc - self._ema_accepted)
 
     def budget(self, max_nodes: int = 0) -> int:
         """Node budget for the next draft: the request's, shrunk while recent drafts were rarely accepted."""
@@ -169,17 +223,7 @@ class DraftSession:
                 return EMPTY
             if found is not NotImplemented:
                 return Continuations(*found)
-        n = self._len
-        if n < 2:
-            return EMPTY
-        ctx_rev = self._tokens[max(0, n - max_match):n][::-1].astype(np.int64)
-        m, counts, ends = kernels.scan_matches(self._tokens, 0, n - 1, ctx_rev, ctx_rev.size, 0)
-        if m == 0:
-            return EMPTY
-        if ends.size > max_occurrences:
-            ends = ends[-max_occurrences:]
-        ends = ends[::-1]
-        return Continuations(m, counts, kernels.continuations(self._tokens, ends + 1, depth, n))
+        return lookup_tokens(self._tokens, self._len, max_match, max_occurrences, depth)
 
     def remember(self, tree: DraftTree, evidence: Evidence, served: DraftTree | None = None) -> None:
         """Keep the draft just served so the next ``extend`` can score it.
@@ -191,3 +235,4 @@ class DraftSession:
         """
         self._last_tree, self._last_evidence = tree, evidence
         self._last_served = served if served is not tree else None
+        self._last_packed = None

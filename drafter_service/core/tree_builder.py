@@ -271,6 +271,31 @@ def _build_python(context: Sequence[int], rows_sources: Sequence[RowsSource], ta
     return tree, (offsets, all_keys, all_priors)
 
 
+def score_packed(packed: bytes, accepted: Sequence[int], model: AcceptanceModel) -> tuple[int, int, list[int]]:
+    """``score_draft`` for a draft the batched step left packed (see ``batch_steps``).
+
+    Returns:
+        (draft tokens ``accepted`` confirmed, nodes of the draft, source kind of each confirmed node).
+    """
+    assert _native is not None  # only the native batched step packs drafts
+    with model.lock:
+        return _native.score_packed(packed, accepted, model.accepted, model.trials, model.prior_strength,
+                                    float(model.horizon))
+
+
+def pack_draft(tree: DraftTree, evidence: Evidence) -> bytes:
+    """A natively built tree and its evidence as one packed draft, which ``score_packed`` scores the same way."""
+    assert _native is not None  # only the native batched step takes packed drafts
+    offsets, keys, priors = evidence
+    return _native.pack(tree.token_ids, tree.parents, [SOURCE_NAMES.index(s) for s in tree.sources], offsets, keys,
+                        priors)
+
+
+def native_module() -> ModuleType | None:
+    """The compiled builder (None when it is not built or DRAFTER_PURE_PYTHON=1)."""
+    return _native
+
+
 def score_draft(tree: DraftTree, evidence: Evidence, accepted: Sequence[int], model: AcceptanceModel,
                 native: bool = True) -> int:
     """Record how a draft fared and return how many of its tokens ``accepted`` confirmed.

@@ -12,6 +12,7 @@ import numpy as np
 
 from drafter_service.api.errors import InvalidArgument, NotFound, Unavailable
 from drafter_service.api.tree import EMPTY_TREE, DraftTree, TokenIds
+from drafter_service.core.batch_steps import StepsOutcome
 from drafter_service.core.config import DrafterConfig
 from drafter_service.core.drafter import Drafter
 from drafter_service.core.model_drafts import ModelDrafts
@@ -151,6 +152,24 @@ class Namespace:
                 c.confirmed_tokens += confirmed.tokens
                 c.count_sources(c.confirmed_by_source, confirmed.sources, confirmed.tokens)
         return tree, confirmed.tokens
+
+    def draft_steps(self, sessions: Sequence[DraftSession], accepted: np.ndarray, offsets: list[int],
+                    limits: list[int], report: list[bool], step_seconds: float = 0.0,
+                    plain_step_seconds: float = 0.0) -> StepsOutcome:
+        """``draft`` for many sessions the drafter can batch (``Drafter.batchable``), in one native call.
+
+        Args:
+            sessions: distinct open sessions of this namespace.
+            accepted: (total,) int32 validated tokens of every session, one after another.
+            offsets: session i's tokens are ``accepted[offsets[i]:offsets[i + 1]]``.
+            limits: each session's budget (the step's, or else the session's ``max_nodes``).
+            report: sessions whose tokens are only recorded (their trees are empty).
+            step_seconds: the batched verification step (statistics only; 0: not reported).
+            plain_step_seconds: the engine's plain decode step now (statistics only).
+        """
+        out = self.drafter.draft_steps(sessions, accepted, offsets, limits, report)
+        self.counters.record_batch(offsets, report, out, step_seconds, plain_step_seconds)
+        return out
 
     def end_session(self, sess: DraftSession, accepted: np.ndarray, request_id: str | None = None) -> int:
         """Store the request (the session's tokens and ``accepted``) durably, then close the session.

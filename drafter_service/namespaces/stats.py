@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from drafter_service.core.batch_steps import StepsOutcome
+from drafter_service.core.tree_builder import SOURCE_NAMES
 
 
 def estimated_speedup(steps: int, tokens: int, step_seconds: float, plain_seconds: float) -> float:
@@ -84,6 +88,36 @@ class DraftCounters:
                 self.speedup_tokens += tokens
                 self.speedup_step_seconds += step_seconds
                 self.speedup_plain_seconds += plain_step_seconds
+
+    def record_batch(self, offsets: Sequence[int], report: Sequence[bool], out: StepsOutcome, step_seconds: float,
+                     plain_step_seconds: float) -> None:
+        """Count a batched step at once, as ``record_step`` and the per-draft counts would count its sessions one
+        by one (session i appended ``offsets[i + 1] - offsets[i]`` tokens; ``report`` marks the report-only ones)."""
+        lengths = [hi - lo for lo, hi in itertools.pairwise(offsets)]
+        appended = [k for k in lengths if k]
+        drafted = [i for i, r in enumerate(report) if not r]
+        with self.lock:
+            self.accepted_steps += len(appended)
+            self.accepted_tokens += sum(appended)
+            if step_seconds > 0:
+                self.reported_steps += len(lengths)
+                self.step_seconds_total += step_seconds * len(lengths)
+                if plain_step_seconds > 0 and appended:
+                    self.speedup_steps += len(appended)
+                    self.speedup_tokens += sum(appended)
+                    self.speedup_step_seconds += step_seconds * len(appended)
+                    self.speedup_plain_seconds += plain_step_seconds * len(appended)
+            self.reused_steps += len(lengths) - len(drafted)
+            self.drafts += len(drafted)
+            self.drafted_tokens += out.offsets[-1]
+            self.scored_steps += sum(1 for i in drafted if lengths[i])
+            self.confirmed_tokens += sum(out.confirmed)
+            self.latencies_ns.extend(out.latencies_ns[i] for i in drafted)
+            for into, counts in ((self.drafted_by_source, out.drafted_by_kind),
+                                 (self.confirmed_by_source, out.confirmed_by_kind)):
+                for name, n in zip(SOURCE_NAMES, counts, strict=True):
+                    if n:
+                        into[name] = into.get(name, 0) + n
 
     @property
     def mean_accepted_length(self) -> float:

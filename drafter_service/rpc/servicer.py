@@ -6,6 +6,7 @@ import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import fields
+from typing import cast
 
 import grpc
 import numpy as np
@@ -44,17 +45,11 @@ def _item_errors(errors: list[tuple[int, Exception]], what: str) -> list[pb.Item
 
 
 def batch_message(outcome: BatchOutcome) -> pb.DraftBatchResponse:
-    """A DraftBatchResponse: the steps' trees packed one after another, then what failed."""
-    trees = outcome.trees
-    offsets = [0, *itertools.accumulate(len(t) for t in trees)]
-    sources = _SOURCES
+    """A DraftBatchResponse: the steps' trees packed one after another (as the outcome holds them), then what
+    failed."""
     return pb.DraftBatchResponse(
-        tree_offsets=offsets, token_ids=list(itertools.chain.from_iterable(t.token_ids for t in trees)),
-        parents=list(itertools.chain.from_iterable(t.parents for t in trees)),
-        probs=list(itertools.chain.from_iterable(t.probs for t in trees)),
-        sources=[sources.get(s, pb.SOURCE_UNSPECIFIED) if s else pb.SOURCE_UNSPECIFIED
-                 for t in trees for s in (t.sources or ("",) * len(t))],
-        confirmed=outcome.confirmed, stored_tokens=outcome.stored,
+        tree_offsets=outcome.tree_offsets, token_ids=outcome.token_ids, parents=outcome.parents, probs=outcome.probs,
+        sources=cast("list[pb.Source]", outcome.sources), confirmed=outcome.confirmed, stored_tokens=outcome.stored,
         start_errors=_item_errors(outcome.start_errors, "start"),
         step_errors=_item_errors(outcome.step_errors, "step"), end_errors=_item_errors(outcome.end_errors, "end"))
 

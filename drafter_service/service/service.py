@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -193,15 +194,7 @@ class DrafterService:
                 self.start_session(namespace, session_id, prompt, budget, caller=who)
             except Exception as exc:  # this item alone fails; the caller reports it
                 out.start_errors.append((i, exc))
-        for i, (session_id, accepted, budget, report_only) in enumerate(steps):
-            try:
-                tree, confirmed = self._draft_step(session_id, accepted, budget or max_nodes, report_only,
-                                                   step_seconds, plain_step_seconds, who)
-            except Exception as exc:
-                tree, confirmed = EMPTY_TREE, 0
-                out.step_errors.append((i, exc))
-            out.trees.append(tree)
-            out.confirmed.append(confirmed)
+        self._batch_steps(steps, max_nodes, step_seconds, plain_step_seconds, who, out)
         for i, (session_id, accepted) in enumerate(ends):
             try:
                 out.stored.append(self.end_session(session_id, accepted, caller=who))
@@ -209,6 +202,66 @@ class DrafterService:
                 out.stored.append(0)
                 out.end_errors.append((i, exc))
         return out
+
+    def _batch_steps(self, steps: Sequence[BatchStep], max_nodes: int, step_seconds: float,
+                     plain_step_seconds: float, caller: Caller, out: BatchOutcome) -> None:
+        """The steps of a batch, in order, each as ``_draft_step`` would take it: runs of sessions their drafter can
+        batch go through ``Namespace.draft_steps`` (one native call each), the others one by one."""
+        run: list[tuple[DraftSession, np.ndarray, int, bool]] = []
+        run_ns: Namespace | None = None
+        in_run: set[int] = set()  # ids of the run's sessions: a session drafted twice starts a new run
+        for i, (session_id, accepted, budget, report_only) in enumerate(steps):
+            try:
+                self._check_tokens(accepted, "accepted")
+                budget = budget or max_nodes
+                self._check_budget(budget)
+                ns, sess = self.sessions.get(caller, session_id)
+                ids = self._accepted(ns, sess, session_id, accepted)
+            except Exception as exc:
+                self._flush_steps(run_ns, run, step_seconds, plain_step_seconds, out)
+                run, run_ns = [], None
+                in_run.clear()
+                out.step_errors.append((i, exc))
+                out.add_tree(EMPTY_TREE, 0)
+                continue
+            batchable = ns.drafter.batchable(sess)
+            if ns is not run_ns or not batchable or id(sess) in in_run:
+                self._flush_steps(run_ns, run, step_seconds, plain_step_seconds, out)
+                run, run_ns = [], None
+                in_run.clear()
+            if batchable:
+                run.append((sess, ids, budget, report_only))
+                run_ns = ns
+                in_run.add(id(sess))
+                continue
+            try:
+                tree, confirmed = ns.draft(sess, ids, budget, report_only, step_seconds, plain_step_seconds)
+            except Exception as exc:
+                tree, confirmed = EMPTY_TREE, 0
+                out.step_errors.append((i, exc))
+            out.add_tree(tree, confirmed)
+        self._flush_steps(run_ns, run, step_seconds, plain_step_seconds, out)
+
+    @staticmethod
+    def _flush_steps(ns: Namespace | None, run: list[tuple[DraftSession, np.ndarray, int, bool]],
+                     step_seconds: float, plain_step_seconds: float, out: BatchOutcome) -> None:
+        """Draft a run of batchable steps of one namespace in one call and append their trees to ``out``."""
+        if ns is None or not run:
+            return
+        sessions = [sess for sess, *_ in run]
+        arrays = [ids for _, ids, _, _ in run]
+        offsets = [0, *itertools.accumulate(a.size for a in arrays)]
+        accepted = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+        limits = [budget or sess.max_nodes for sess, _, budget, _ in run]
+        done = ns.draft_steps(sessions, accepted, offsets, limits, [r for *_, r in run], step_seconds,
+                              plain_step_seconds)
+        base = out.tree_offsets[-1]
+        out.tree_offsets.extend([base + o for o in done.offsets[1:]] if base else done.offsets[1:])
+        out.token_ids.extend(done.token_ids)
+        out.parents.extend(done.parents)
+        out.probs.extend(done.probs)
+        out.sources.extend(k + 1 for k in done.kinds)  # source kind -> Source number (tree_builder.SOURCE_NAMES)
+        out.confirmed.extend(done.confirmed)
 
     def end_session(self, session_id: str, accepted: TokenIds, caller: Caller | None = None) -> int:
         """Store the request durably and close its session; returns the tokens stored."""

@@ -1,0 +1,118 @@
+"""One engine step of many sessions in one native call: each session corrected, looked up and drafted in order."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+import store.match_kernels as kernels
+from drafter_service.core.acceptance import AcceptanceModel
+from drafter_service.core.config import DrafterConfig
+from drafter_service.core.session import BudgetPolicy, DraftSession, lookup_tokens
+from drafter_service.core.tree_builder import native_module
+from store.ngram_table import NativeLRUTable
+from store.token_store import Continuations, TokenStore
+
+
+class Drafting(Protocol):
+    """What a batched step reads of a drafter (``Drafter`` has it all)."""
+
+    config: DrafterConfig
+    store: TokenStore
+    dynamic: Any
+    model: AcceptanceModel
+    policy: BudgetPolicy
+
+    @property
+    def frozen(self) -> Mapping[str, Any]: ...
+
+
+@dataclass
+class StepsOutcome:
+    """The trees of a batched step, packed one after another, and what each session's accepted tokens confirmed.
+
+    Tree i is nodes ``offsets[i]`` to ``offsets[i + 1] - 1`` of ``token_ids``, ``parents`` (relative to the tree's
+    first node, -1 for a child of the root), ``probs`` and ``kinds`` (source kind: 0 session, 1 store, 2 dynamic,
+    3 frozen; see ``tree_builder.SOURCE_NAMES``).
+
+    Attributes:
+        latencies_ns: time of each session's step.
+        drafted_by_kind: nodes drafted per source kind.
+        confirmed_by_kind: confirmed nodes of the scored drafts per source kind.
+    """
+
+    offsets: list[int]
+    token_ids: list[int]
+    parents: list[int]
+    probs: list[float]
+    kinds: list[int]
+    confirmed: list[int]
+    latencies_ns: list[int]
+    drafted_by_kind: tuple[int, int, int, int]
+    confirmed_by_kind: tuple[int, int, int, int]
+
+
+def available(drafter: Drafting) -> bool:
+    """Whether ``drafter`` can take batched steps: the native builder and, when it learns, the native table."""
+    native = native_module()
+    return native is not None and hasattr(native, "steps") and (
+        not drafter.config.use_dynamic or (NativeLRUTable is not None and isinstance(drafter.dynamic, NativeLRUTable)))
+
+
+def draft_steps(drafter: Drafting, sessions: Sequence[DraftSession], accepted: np.ndarray, offsets: list[int],
+                limits: list[int], report: list[bool]) -> StepsOutcome:
+    """Correct and draft for every session, in order, exactly as ``Drafter.correct`` and ``Drafter.draft`` would.
+
+    The sessions must be ``batchable``, open, distinct, and ``available(drafter)`` must hold.
+
+    Args:
+        drafter: the sessions' drafter.
+        sessions: the sessions of the step.
+        accepted: (total,) int32 validated tokens of every session, one after another.
+        offsets: session i's tokens are ``accepted[offsets[i]:offsets[i + 1]]``.
+        limits: each session's budget before adapting (the step's ``max_nodes``, or else the session's).
+        report: sessions whose tokens are only recorded (their trees are empty).
+    """
+    native = native_module()
+    assert native is not None
+    cfg = drafter.config
+    store = drafter.store
+    bufs, lens, lasts, emas = [], [], [], []
+    for i, sess in enumerate(sessions):
+        bufs.append(sess.reserve(offsets[i + 1] - offsets[i]))
+        length, packed, ema = sess.batch_state()
+        lens.append(length)
+        lasts.append(packed)
+        emas.append(ema)
+    store_native = store.native_lookup_args() if cfg.use_store else None
+    session_fn = kernels.native.session_lookup if kernels.native is not None else None
+
+    def fallback(kind: int, tokens: np.ndarray) -> Continuations:  # where a native lookup declines its arguments
+        if kind == 0:
+            return lookup_tokens(tokens, tokens.size, cfg.max_match, cfg.max_occurrences, cfg.max_depth)
+        return store.lookup(tokens, cfg.max_match, cfg.max_occurrences, cfg.max_depth)
+
+    tables: list[tuple[int, object, int]] = []
+    if cfg.use_dynamic:
+        tables.append((2, drafter.dynamic, cfg.table_branch))
+    if cfg.use_frozen:
+        tables.extend((3, t, cfg.table_branch) for t in drafter.frozen.values())
+    leader_len = max((t.leader_len for _, t, _ in tables), default=1)  # type: ignore[attr-defined]
+    model, policy = drafter.model, drafter.policy
+    settings = (int(cfg.use_session), session_fn, int(cfg.use_store), store_native[0] if store_native else None,
+                store_native[1] if store_native else None, fallback, drafter.dynamic if cfg.use_dynamic else None,
+                tables, cfg.leader_len, leader_len, model.accepted, model.trials, model.prior_strength,
+                float(model.horizon), cfg.max_match, cfg.max_occurrences, cfg.max_depth, cfg.min_prob, cfg.branch,
+                int(policy.adaptive), policy.min_nodes)
+    with model.lock:
+        (tree_offsets, token_ids, parents, probs, kinds, confirmed, packed_drafts, new_lens, new_emas, scored,
+         latencies, drafted_by_kind, confirmed_by_kind) = native.steps(
+            bufs, lens, accepted, offsets, lasts, limits, report, emas, settings)
+    for sess, length, packed, ema, nodes, n_acc in zip(sessions, new_lens, packed_drafts, new_emas, scored,
+                                                       confirmed, strict=True):
+        sess.stepped(length, packed, ema, nodes, n_acc)
+    return StepsOutcome(tree_offsets, token_ids, parents, probs, kinds, confirmed, latencies, drafted_by_kind,
+                        confirmed_by_kind)

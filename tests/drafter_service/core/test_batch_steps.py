@@ -1,0 +1,120 @@
+"""The batched native step: the same trees, confirmations and learning as single correct + draft calls."""
+
+import numpy as np
+import pytest
+
+from drafter_service.api.tree import accept_greedy
+from drafter_service.core.config import DrafterConfig
+from drafter_service.core.drafter import Drafter
+from drafter_service.core.tree_builder import native_module
+
+pytestmark = pytest.mark.skipif(native_module() is None, reason="the native tree builder is not built")
+
+
+def corpus(seed: int, n: int) -> list[tuple[list[int], list[int]]]:
+    rng = np.random.default_rng(seed)
+    phrases = [rng.integers(0, 60, 7).tolist() for _ in range(8)]
+    return [(rng.integers(0, 60, 6).tolist(), [t for k in rng.integers(0, 8, 10) for t in phrases[k]])
+            for _ in range(n)]
+
+
+def make(rebuild: bool, **kw) -> Drafter:
+    d = Drafter(DrafterConfig(vocab_size=100, capacity=1 << 15, tail_tokens=128, **kw))
+    for prompt, output in corpus(0, 30):
+        d.ingest(prompt, output)
+    if rebuild:
+        d.rebuild()
+    return d
+
+
+def tree_tuple(tree) -> tuple:
+    return tree.token_ids, tree.parents, tree.probs, tree.sources
+
+
+@pytest.mark.parametrize("rebuild", [False, True])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_batched_steps_draft_what_single_calls_draft(rebuild, adaptive):
+    single, batched = make(rebuild, adaptive_budget=adaptive), make(rebuild, adaptive_budget=adaptive)
+    requests = corpus(1, 9)
+    for d in (single, batched):
+        for i, (prompt, _) in enumerate(requests):
+            d.start(f"s{i}", prompt)
+    pos = [0] * len(requests)
+    accepted: list[list[int]] = [[] for _ in requests]
+    for step in range(12):
+        budgets = [(0, 8, 16, 24)[(i + step) % 4] for i in range(len(requests))]
+        report = [(i * 7 + step) % 5 == 4 for i in range(len(requests))]
+        expected, expected_confirmed = [], []
+        for i in range(len(requests)):
+            sess = single.session(f"s{i}")
+            ids = np.array(accepted[i], dtype=np.int32)
+            confirmed = single.correct(sess, ids).tokens if ids.size else 0
+            expected.append(tree_tuple(single.draft(sess, budgets[i])) if not report[i] else ((), (), (), ()))
+            expected_confirmed.append(confirmed)
+        sessions = [batched.session(f"s{i}") for i in range(len(requests))]
+        assert all(batched.batchable(s) for s in sessions)
+        flat = np.array([t for a in accepted for t in a], dtype=np.int32)
+        offsets = [0, *np.cumsum([len(a) for a in accepted]).tolist()]
+        limits = [b or s.max_nodes for b, s in zip(budgets, sessions, strict=True)]
+        out = batched.draft_steps(sessions, flat, offsets, limits, report)
+        got = []
+        for i in range(len(requests)):
+            lo, hi = out.offsets[i], out.offsets[i + 1]
+            names = tuple(("session", "store", "dynamic", "frozen")[k] for k in out.kinds[lo:hi])
+            got.append((tuple(out.token_ids[lo:hi]), tuple(out.parents[lo:hi]), tuple(out.probs[lo:hi]), names))
+        for i in range(len(requests)):
+            assert got[i] == expected[i], (step, i, report[i], len(accepted[i]))
+        assert out.confirmed == expected_confirmed
+        for i, (_, output) in enumerate(requests):  # greedy acceptance of each tree against the real output
+            ids, parents = got[i][0], got[i][1]
+            kids: dict[int, dict[int, int]] = {}
+            for j, (tok, par) in enumerate(zip(ids, parents, strict=True)):
+                kids.setdefault(par, {})[tok] = j
+            node, n = -1, 0
+            while pos[i] + n < len(output) and output[pos[i] + n] in kids.get(node, {}):
+                node = kids[node][output[pos[i] + n]]
+                n += 1
+            accepted[i] = output[pos[i]:pos[i] + n + 1]
+            pos[i] = (pos[i] + len(accepted[i])) % len(output)
+    for i in range(len(requests)):
+        a, b = single.session(f"s{i}"), batched.session(f"s{i}")
+        assert (a.tokens.tolist(), a.steps, a.drafted, a.accepted) == (b.tokens.tolist(), b.steps, b.drafted,
+                                                                         b.accepted)
+        assert a.budget() == b.budget()
+    assert list(single.model.accepted) == list(batched.model.accepted)
+    assert list(single.model.trials) == list(batched.model.trials)
+    assert sorted(single.dynamic.items()) == sorted(batched.dynamic.items())
+
+
+def test_a_single_call_scores_a_draft_the_batch_left_packed():
+    single, batched = make(True), make(True)
+    prompt, output = corpus(2, 1)[0]
+    for d in (single, batched):
+        d.start("s", prompt)
+    tree = single.draft(single.session("s"), 16)
+    sess = batched.session("s")
+    out = batched.draft_steps([sess], np.zeros(0, dtype=np.int32), [0, 0], [16], [False])
+    assert tuple(out.token_ids) == tree.token_ids
+    n, _ = accept_greedy(tree, output)
+    ids = np.array(output[:n + 1], dtype=np.int32)
+    assert single.correct(single.session("s"), ids) == batched.correct(sess, ids)
+    assert list(single.model.trials) == list(batched.model.trials)
+    assert (sess.steps, sess.drafted, sess.accepted) == (1, len(tree), n)
+
+
+def test_the_batch_scores_a_draft_a_single_call_left():
+    single, batched = make(True), make(True)
+    prompt, output = corpus(3, 1)[0]
+    for d in (single, batched):
+        d.start("s", prompt)
+        d.draft(d.session("s"), 16)  # both drafted by the single path
+    n, _ = accept_greedy(single.session("s")._last_tree, output)
+    ids = np.array(output[:n + 1], dtype=np.int32)
+    confirmed = single.correct(single.session("s"), ids).tokens
+    expected = single.draft(single.session("s"), 16)
+    sess = batched.session("s")
+    assert batched.batchable(sess)
+    out = batched.draft_steps([sess], ids, [0, ids.size], [16], [False])
+    assert (tuple(out.token_ids), tuple(out.probs), out.confirmed) == (expected.token_ids, expected.probs,
+                                                                        [confirmed])
+    assert list(single.model.trials) == list(batched.model.trials)
