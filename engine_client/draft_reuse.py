@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from time import perf_counter_ns
 from typing import Any
 
+import numpy as np
+
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
 from engine_client.client_common import (
@@ -42,9 +44,16 @@ def tree_of(resp: pb.DraftResponse) -> DraftTree:
                      tuple(_SOURCE_NAMES.get(s, "") for s in resp.sources))
 
 
+def _column(data: bytes, dtype: str) -> tuple:
+    """A packed little-endian column of a DraftBatchResponse as a tuple of Python numbers (a partial value
+    at the end is dropped)."""
+    size = np.dtype(dtype).itemsize
+    return tuple(np.frombuffer(data, dtype, len(data) // size).tolist())
+
+
 def trees_of_batch(resp: pb.DraftBatchResponse) -> list[DraftTree]:
     """The DraftTree of every step of a DraftBatchResponse, in order (a failed step's tree is empty)."""
-    tokens, parents, probs = tuple(resp.token_ids), tuple(resp.parents), tuple(resp.probs)
+    tokens, parents, probs = _column(resp.token_ids, "<i4"), _column(resp.parents, "<i4"), _column(resp.probs, "<f4")
     names = tuple(map(_SOURCE_NAMES_ALL.__getitem__, resp.sources))  # every node's at once: trees take slices
     out = []
     bounds = iter(resp.tree_offsets)

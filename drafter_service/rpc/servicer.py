@@ -6,7 +6,6 @@ import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import fields
-from typing import cast
 
 import grpc
 import numpy as np
@@ -45,11 +44,14 @@ def _item_errors(errors: list[tuple[int, Exception]], what: str) -> list[pb.Item
 
 
 def batch_message(outcome: BatchOutcome) -> pb.DraftBatchResponse:
-    """A DraftBatchResponse: the steps' trees packed one after another (as the outcome holds them), then what
-    failed."""
+    """A DraftBatchResponse: the steps' trees packed one after another (as the outcome holds them, little-endian
+    bytes on the wire), then what failed."""
+    token_ids, parents, probs, sources = outcome.nodes()
     return pb.DraftBatchResponse(
-        tree_offsets=outcome.tree_offsets, token_ids=outcome.token_ids, parents=outcome.parents, probs=outcome.probs,
-        sources=cast("list[pb.Source]", outcome.sources), confirmed=outcome.confirmed, stored_tokens=outcome.stored,
+        tree_offsets=outcome.tree_offsets, token_ids=token_ids.astype("<i4", copy=False).tobytes(),
+        parents=parents.astype("<i4", copy=False).tobytes(), probs=probs.astype("<f4").tobytes(),
+        sources=sources.astype(np.uint8, copy=False).tobytes(), confirmed=outcome.confirmed,
+        stored_tokens=outcome.stored,
         start_errors=_item_errors(outcome.start_errors, "start"),
         step_errors=_item_errors(outcome.step_errors, "step"), end_errors=_item_errors(outcome.end_errors, "end"))
 

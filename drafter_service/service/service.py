@@ -255,13 +255,8 @@ class DrafterService:
         limits = [budget or sess.max_nodes for sess, _, budget, _ in run]
         done = ns.draft_steps(sessions, accepted, offsets, limits, [r for *_, r in run], step_seconds,
                               plain_step_seconds)
-        base = out.tree_offsets[-1]
-        out.tree_offsets.extend([base + o for o in done.offsets[1:]] if base else done.offsets[1:])
-        out.token_ids.extend(done.token_ids)
-        out.parents.extend(done.parents)
-        out.probs.extend(done.probs)
-        out.sources.extend(k + 1 for k in done.kinds)  # source kind -> Source number (tree_builder.SOURCE_NAMES)
-        out.confirmed.extend(done.confirmed)
+        sources = done.kinds + np.uint8(1)  # source kind -> Source number (tree_builder.SOURCE_NAMES)
+        out.add_trees(done.offsets, (done.token_ids, done.parents, done.probs, sources), done.confirmed)
 
     def end_session(self, session_id: str, accepted: TokenIds, caller: Caller | None = None) -> int:
         """Store the request durably and close its session; returns the tokens stored."""

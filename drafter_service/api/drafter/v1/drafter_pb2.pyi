@@ -128,16 +128,16 @@ class DraftBatchResponse(_message.Message):
     STEP_ERRORS_FIELD_NUMBER: _ClassVar[int]
     END_ERRORS_FIELD_NUMBER: _ClassVar[int]
     tree_offsets: _containers.RepeatedScalarFieldContainer[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    parents: _containers.RepeatedScalarFieldContainer[int]
-    probs: _containers.RepeatedScalarFieldContainer[float]
-    sources: _containers.RepeatedScalarFieldContainer[Source]
+    token_ids: bytes
+    parents: bytes
+    probs: bytes
+    sources: bytes
     confirmed: _containers.RepeatedScalarFieldContainer[int]
     stored_tokens: _containers.RepeatedScalarFieldContainer[int]
     start_errors: _containers.RepeatedCompositeFieldContainer[ItemError]
     step_errors: _containers.RepeatedCompositeFieldContainer[ItemError]
     end_errors: _containers.RepeatedCompositeFieldContainer[ItemError]
-    def __init__(self, tree_offsets: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., sources: _Optional[_Iterable[_Union[Source, str]]] = ..., confirmed: _Optional[_Iterable[int]] = ..., stored_tokens: _Optional[_Iterable[int]] = ..., start_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ..., step_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ..., end_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ...) -> None: ...
+    def __init__(self, tree_offsets: _Optional[_Iterable[int]] = ..., token_ids: _Optional[bytes] = ..., parents: _Optional[bytes] = ..., probs: _Optional[bytes] = ..., sources: _Optional[bytes] = ..., confirmed: _Optional[_Iterable[int]] = ..., stored_tokens: _Optional[_Iterable[int]] = ..., start_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ..., step_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ..., end_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id", "accepted")
