@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from time import perf_counter_ns
 from typing import Any
 
+import numpy as np
+
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
 from engine_client.client_common import (
@@ -42,9 +44,16 @@ def tree_of(resp: pb.DraftResponse) -> DraftTree:
                      tuple(_SOURCE_NAMES.get(s, "") for s in resp.sources))
 
 
+def _column(data: bytes, dtype: str) -> tuple:
+    """A packed little-endian column of a DraftBatchResponse as a tuple of Python numbers (a partial value
+    at the end is dropped)."""
+    size = np.dtype(dtype).itemsize
+    return tuple(np.frombuffer(data, dtype, len(data) // size).tolist())
+
+
 def trees_of_batch(resp: pb.DraftBatchResponse) -> list[DraftTree]:
     """The DraftTree of every step of a DraftBatchResponse, in order (a failed step's tree is empty)."""
-    tokens, parents, probs = tuple(resp.token_ids), tuple(resp.parents), tuple(resp.probs)
+    tokens, parents, probs = _column(resp.token_ids, "<i4"), _column(resp.parents, "<i4"), _column(resp.probs, "<f4")
     names = tuple(map(_SOURCE_NAMES_ALL.__getitem__, resp.sources))  # every node's at once: trees take slices
     out = []
     bounds = iter(resp.tree_offsets)
@@ -211,11 +220,7 @@ class SessionBook:
 
         The tokens are attributed to the kind of the last draft (reused or fetched) for acceptance statistics.
         """
-        if max_nodes < 0:
-            raise DrafterRequestError(f"max_nodes must be >= 0, got {max_nodes}")
-        for name, value in (("step_seconds", step_seconds), ("plain_step_seconds", plain_step_seconds)):
-            if not 0.0 <= value <= 3600.0:  # also refuses NaN
-                raise DrafterRequestError(f"{name} must be in [0, 3600], got {value}")
+        self.record_check(step_seconds, max_nodes, plain_step_seconds)
         toks = check_tokens(accepted, self.vocab_size, "accepted")
         with self._lock:
             state.tokens.extend(toks)
@@ -226,6 +231,35 @@ class SessionBook:
                         getattr(self.stats, f"accepted_after_{kind}") + len(toks) - 1)
             state.last_kind = ""
         return toks
+
+    def record_all(self, states: Sequence[SessionState], accepted: Sequence[Sequence[int]],
+                   step_seconds: float = 0.0, max_nodes: int = 0, plain_step_seconds: float = 0.0) -> list[list[int]]:
+        """``record`` for the sessions of a step, at once: every argument is checked before any token is
+        recorded."""
+        self.record_check(step_seconds, max_nodes, plain_step_seconds)
+        toks = [check_tokens(a, self.vocab_size, "accepted") for a in accepted]
+        stats = self.stats
+        with self._lock:
+            for state, t in zip(states, toks, strict=True):
+                state.tokens += t
+                if state.last_kind and t:
+                    if state.last_kind == "reuse":
+                        stats.scored_after_reuse += 1
+                        stats.accepted_after_reuse += len(t) - 1
+                    else:
+                        stats.scored_after_fetch += 1
+                        stats.accepted_after_fetch += len(t) - 1
+                state.last_kind = ""
+        return toks
+
+    @staticmethod
+    def record_check(step_seconds: float, max_nodes: int, plain_step_seconds: float) -> None:
+        """DrafterRequestError unless a step's budget and step times are valid."""
+        if max_nodes < 0:
+            raise DrafterRequestError(f"max_nodes must be >= 0, got {max_nodes}")
+        for name, value in (("step_seconds", step_seconds), ("plain_step_seconds", plain_step_seconds)):
+            if not 0.0 <= value <= 3600.0:  # also refuses NaN
+                raise DrafterRequestError(f"{name} must be in [0, 3600], got {value}")
 
     def unrecord(self, state: SessionState, n: int) -> None:
         """Take back the last ``n`` recorded tokens (the service refused them)."""
@@ -309,6 +343,28 @@ class SessionBook:
             self.stats.reports_sent += int(report)
             return state.remote_id, accepted, ask, entry
 
+    def next_steps(self, states: Sequence[SessionState], max_nodes: int, report: Sequence[bool]
+                   ) -> tuple[list[str], list[int], list[int], list[int], list[Pending]]:
+        """``next_step`` for many sessions at once, their tokens one after another: (remote session ids, every
+        session's tokens not sent yet, how many each has, budgets to ask for, pending records)."""
+        asks = [0 if rep else self.budget(state, max_nodes)[1] for state, rep in zip(states, report, strict=True)]
+        ids: list[str] = []
+        tokens: list[int] = []
+        counts: list[int] = []
+        entries: list[Pending] = []
+        with self._lock:
+            for state, rep, ask in zip(states, report, asks, strict=True):
+                end = len(state.tokens)
+                tokens += state.tokens[state.sent:end]
+                counts.append(end - state.sent)
+                state.sent = end
+                entry = Pending(state, state.generation, end, rep, ask)
+                state.pending.append(entry)
+                ids.append(state.remote_id)
+                entries.append(entry)
+            self.stats.reports_sent += sum(report)
+        return ids, tokens, counts, asks, entries
+
     def end_request(self, state: SessionState) -> pb.EndSessionRequest:
         """EndSession with every token not sent yet."""
         return pb.EndSessionRequest(session_id=state.remote_id, accepted=state.tokens[state.sent:])
@@ -331,6 +387,39 @@ class SessionBook:
                 state.pending.remove(entry)
             if entry.generation == state.generation:
                 state.acked = max(state.acked, entry.upto)
+
+    def answered_all(self, entries: Sequence[Pending], trees: Sequence[DraftTree], max_nodes: int,
+                     t0: int) -> list[DraftTree | None]:
+        """``answered`` then ``fetched`` for every step of a batch the service answered with a tree, at once.
+
+        Returns:
+            Per entry: the engine's part of its tree (None for a report).
+        """
+        out: list[DraftTree | None] = []
+        stats = self.stats
+        now = perf_counter_ns()
+        with self._lock:
+            for entry, tree in zip(entries, trees, strict=True):
+                state = entry.state
+                if not entry.done:
+                    entry.done, entry.tree = True, tree
+                    if entry in state.pending:
+                        state.pending.remove(entry)
+                    if entry.generation == state.generation:
+                        state.acked = max(state.acked, entry.upto)
+                if entry.report:
+                    out.append(None)
+                    continue
+                got = entry.tree if entry.tree is not None else EMPTY_TREE
+                engine = min(max_nodes or state.max_nodes, self.limit)
+                part = got.prefix(engine)
+                state.full, state.last_kind = got, ("fetch" if len(part) else "")
+                stats.steps += 1
+                stats.fetched_steps += 1
+                stats.fetched_nodes += len(part)
+                stats.round_trip_ns += now - t0
+                out.append(part)
+        return out
 
     def failed(self, entry: Pending, code: str, details: str = "", culprit: bool = False,
                definite: bool = False) -> None:

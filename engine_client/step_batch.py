@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from time import perf_counter_ns
 
 import grpc
+import numpy as np
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.tree import DraftTree
-from engine_client.client_common import DrafterRequestError, check_tokens
+from engine_client.client_common import DrafterRequestError
 from engine_client.draft_reuse import Pending, SessionBook, SessionState, trees_of_batch
 
 CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
@@ -49,11 +50,11 @@ def begin(book: SessionBook, items: Sequence[tuple[str, Sequence[int]]], max_nod
     states = [book.get(session) for session, _ in items]
     if len({id(state) for state in states}) != len(states):
         raise DrafterRequestError("a session appears twice in one batch")
-    for _, accepted in items:
-        check_tokens(accepted, book.vocab_size, "accepted")
-    recorded = [book.record(state, accepted, step_seconds, max_nodes, plain_step_seconds)
-                for state, (_, accepted) in zip(states, items, strict=True)]
-    trees = [book.try_reuse(state, toks, max_nodes) for state, toks in zip(states, recorded, strict=True)]
+    recorded = book.record_all(states, [accepted for _, accepted in items], step_seconds, max_nodes,
+                               plain_step_seconds)
+    trees: list[DraftTree | None] = (
+        [book.try_reuse(state, toks, max_nodes) for state, toks in zip(states, recorded, strict=True)]
+        if book.reuse else [None] * len(states))
     reports = [i for i, tree in enumerate(trees) if tree is not None and book.can_report(states[i])]
     return StepBatch(states, recorded, trees, reports, any(tree is not None for tree in trees), t0)
 
@@ -64,7 +65,7 @@ def next_call(book: SessionBook, batch: StepBatch, namespace: str, max_nodes: in
     todo = [i for i, tree in enumerate(batch.trees) if tree is None]
     if not todo:  # reports ride along with fetches only; otherwise their tokens go with the next call
         return None
-    starts, start_requests, steps, entries = [], [], [], []
+    starts, start_requests = [], []
     for i in todo:
         state = batch.states[i]
         if book.needs_open(state):
@@ -72,14 +73,15 @@ def next_call(book: SessionBook, batch: StepBatch, namespace: str, max_nodes: in
             starts.append(i)
             start_requests.append(request)
             book.opened(state, n, reopened)  # taken back when the service refuses the start
-    for i in [*batch.reports, *todo]:
-        report = i in batch.reports
-        session_id, accepted, ask, entry = book.next_step(batch.states[i], max_nodes, report)
-        steps.append(pb.BatchStep(session_id=session_id, accepted=accepted, max_nodes=ask, report_only=report))
-        entries.append((i, entry))
+    order = [*batch.reports, *todo]
+    report = [True] * len(batch.reports) + [False] * len(todo)
     batch.reports = []
-    return BatchCall(pb.DraftBatchRequest(start=start_requests, steps=steps, step_seconds=step_seconds,
-                                          plain_step_seconds=plain_step_seconds), starts, entries)
+    sessions, tokens, counts, asks, pending = book.next_steps([batch.states[i] for i in order], max_nodes, report)
+    return BatchCall(pb.DraftBatchRequest(start=start_requests, step_seconds=step_seconds,
+                                          plain_step_seconds=plain_step_seconds, packed_sessions=sessions,
+                                          packed_tokens=np.array(tokens, "<i4").tobytes(), packed_counts=counts,
+                                          packed_max_nodes=asks, packed_report_only=report if any(report) else ()),
+                     starts, list(zip(order, pending, strict=True)))
 
 
 def call_failed(book: SessionBook, call: BatchCall, code: str, details: str, definite: bool) -> None:
@@ -100,6 +102,14 @@ def answered(book: SessionBook, batch: StepBatch, call: BatchCall, reply: pb.Dra
     """
     for error in reply.start_errors:
         book.open_refused(batch.states[call.starts[error.index]], CODE_NAMES.get(error.code, "UNKNOWN"))
+    if not reply.step_errors:  # every step answered: settled at once
+        trees = trees_of_batch(reply)
+        if len(trees) == len(call.entries):
+            for (i, _), tree in zip(call.entries, book.answered_all([e for _, e in call.entries], trees, max_nodes,
+                                                                     batch.t0), strict=True):
+                if tree is not None:
+                    batch.trees[i] = tree
+            return None
     errors = {e.index: e for e in reply.step_errors}
     for k, ((_, entry), tree) in enumerate(zip(call.entries, trees_of_batch(reply), strict=True)):
         if k not in errors:

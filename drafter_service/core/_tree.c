@@ -885,7 +885,8 @@ static PyObject *steps(PyObject *self, PyObject *args) {
     builder_init(&B);
     Py_buffer vacc = {0}, vtr = {0}, vin = {0};
     PyObject *tables = NULL, *result = NULL;
-    PyObject *o_off = NULL, *o_tok = NULL, *o_par = NULL, *o_prob = NULL, *o_kind = NULL, *o_conf = NULL;
+    PyObject *o_off = NULL, *o_conf = NULL;
+    Buf n_tok = BUF(int), n_par = BUF(int), n_prob = BUF(double), n_kind = BUF(unsigned char);
     PyObject *o_last = NULL, *o_len = NULL, *o_ema = NULL, *o_scored = NULL, *o_lat = NULL;
     long drafted_kinds[4] = {0, 0, 0, 0}, confirmed_kinds[4] = {0, 0, 0, 0};
     int kinds_tmp[1024];
@@ -903,11 +904,10 @@ static PyObject *steps(PyObject *self, PyObject *args) {
     if (!tables || parse_tables(&B, tables) < 0) goto done;
     B.leader_len = leader_len; B.max_depth = max_depth; B.min_prob = min_prob; B.branch = branch;
     m_o = PyLong_FromLong(max_match); occ_o = PyLong_FromLong(max_occ); dep_o = PyLong_FromLong(max_depth);
-    o_off = PyList_New(0); o_tok = PyList_New(0); o_par = PyList_New(0); o_prob = PyList_New(0);
-    o_kind = PyList_New(0); o_conf = PyList_New(0); o_last = PyList_New(0); o_len = PyList_New(0);
+    o_off = PyList_New(0); o_conf = PyList_New(0); o_last = PyList_New(0); o_len = PyList_New(0);
     o_ema = PyList_New(0); o_scored = PyList_New(0); o_lat = PyList_New(0);
-    if (!m_o || !occ_o || !dep_o || !o_off || !o_tok || !o_par || !o_prob || !o_kind || !o_conf || !o_last || !o_len ||
-        !o_ema || !o_scored || !o_lat || append_long(o_off, 0) < 0)
+    if (!m_o || !occ_o || !dep_o || !o_off || !o_conf || !o_last || !o_len || !o_ema || !o_scored || !o_lat ||
+        append_long(o_off, 0) < 0)
         goto done;
     const int *flat = (const int *)vin.buf;
     Py_ssize_t nflat = vin.len / 4;
@@ -1017,15 +1017,20 @@ static PyObject *steps(PyObject *self, PyObject *args) {
             }
             if (!ok) { PyBuffer_Release(&vb); goto done; }
             Py_ssize_t nn = B.out_tok.len;
+            if (buf_reserve(&n_tok, nn) < 0 || buf_reserve(&n_par, nn) < 0 || buf_reserve(&n_prob, nn) < 0 ||
+                buf_reserve(&n_kind, nn) < 0) {
+                PyBuffer_Release(&vb);
+                goto done;
+            }
+            memcpy(&AT(n_tok, int, n_tok.len), B.out_tok.data, sizeof(int) * (size_t)nn);
+            memcpy(&AT(n_par, int, n_par.len), B.out_parent.data, sizeof(int) * (size_t)nn);
+            memcpy(&AT(n_prob, double, n_prob.len), B.out_prob.data, sizeof(double) * (size_t)nn);
             for (Py_ssize_t i = 0; i < nn; i++) {
                 int kind = AT(B.out_kinds, int, i);
                 drafted_kinds[kind & 3]++;
-                if (append_long(o_tok, AT(B.out_tok, int, i)) < 0 || append_long(o_par, AT(B.out_parent, int, i)) < 0 ||
-                    append_double(o_prob, AT(B.out_prob, double, i)) < 0 || append_long(o_kind, kind) < 0) {
-                    PyBuffer_Release(&vb);
-                    goto done;
-                }
+                AT(n_kind, unsigned char, n_kind.len + i) = (unsigned char)kind;
             }
+            n_tok.len += nn; n_par.len += nn; n_prob.len += nn; n_kind.len += nn;
             node_total += (long)nn;
             new_last = nn ? pack_tree(&B) : Py_NewRef(Py_None);
             if (!new_last) { PyBuffer_Release(&vb); goto done; }
@@ -1040,7 +1045,9 @@ static PyObject *steps(PyObject *self, PyObject *args) {
             append_long(o_lat, (long)(now_ns() - t0)) < 0)
             goto done;
     }
-    result = Py_BuildValue("(OOOOOOOOOOO(llll)(llll))", o_off, o_tok, o_par, o_prob, o_kind, o_conf, o_last, o_len,
+#define BYTES_OF(b) ((b).data ? (const char *)(b).data : ""), (b).len * (b).item  /* y# gives None for NULL */
+    result = Py_BuildValue("(Oy#y#y#y#OOOOOO(llll)(llll))", o_off, BYTES_OF(n_tok), BYTES_OF(n_par),
+                           BYTES_OF(n_prob), BYTES_OF(n_kind), o_conf, o_last, o_len,
                            o_ema, o_scored, o_lat, drafted_kinds[0], drafted_kinds[1], drafted_kinds[2],
                            drafted_kinds[3], confirmed_kinds[0], confirmed_kinds[1], confirmed_kinds[2],
                            confirmed_kinds[3]);
@@ -1051,8 +1058,8 @@ done:
     if (vin.obj) PyBuffer_Release(&vin);
     Py_XDECREF(tables);
     Py_XDECREF(lim_o); Py_XDECREF(m_o); Py_XDECREF(occ_o); Py_XDECREF(dep_o);
-    Py_XDECREF(o_off); Py_XDECREF(o_tok); Py_XDECREF(o_par); Py_XDECREF(o_prob); Py_XDECREF(o_kind);
-    Py_XDECREF(o_conf); Py_XDECREF(o_last); Py_XDECREF(o_len); Py_XDECREF(o_ema); Py_XDECREF(o_scored);
+    buf_free(&n_tok); buf_free(&n_par); buf_free(&n_prob); buf_free(&n_kind);
+    Py_XDECREF(o_off); Py_XDECREF(o_conf); Py_XDECREF(o_last); Py_XDECREF(o_len); Py_XDECREF(o_ema); Py_XDECREF(o_scored);
     Py_XDECREF(o_lat);
     return result;
 }

@@ -34,9 +34,10 @@ def score_packed(packed: bytes, accepted: Sequence[int], model_accepted: array[f
 def steps(buffers: list[np.ndarray], lengths: list[int], accepted: np.ndarray, offsets: list[int],
           lasts: list[bytes | None], limits: list[int], report: list[bool], emas: list[float],
           settings: tuple[Any, ...],
-          ) -> tuple[list[int], list[int], list[int], list[float], list[int], list[int], list[bytes | None], list[int],
+          ) -> tuple[list[int], bytes, bytes, bytes, bytes, list[int], list[bytes | None], list[int],
                      list[float], list[int], list[int], tuple[int, int, int, int], tuple[int, int, int, int]]:
     """One engine step of many sessions, each scored, appended and drafted in order (see ``batch_steps``):
     (tree offsets, token ids, parents, probs, source kinds, confirmed, packed drafts, lengths, averaged accepted
-    tokens, nodes scored, latencies in ns, nodes drafted per kind, nodes confirmed per kind)."""
+    tokens, nodes scored, latencies in ns, nodes drafted per kind, nodes confirmed per kind). Every node's token
+    id, parent and kind come packed in native byte order, as int32, int32, float64 and uint8 arrays."""
     ...

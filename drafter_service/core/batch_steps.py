@@ -34,9 +34,9 @@ class Drafting(Protocol):
 class StepsOutcome:
     """The trees of a batched step, packed one after another, and what each session's accepted tokens confirmed.
 
-    Tree i is nodes ``offsets[i]`` to ``offsets[i + 1] - 1`` of ``token_ids``, ``parents`` (relative to the tree's
-    first node, -1 for a child of the root), ``probs`` and ``kinds`` (source kind: 0 session, 1 store, 2 dynamic,
-    3 frozen; see ``tree_builder.SOURCE_NAMES``).
+    Tree i is nodes ``offsets[i]`` to ``offsets[i + 1] - 1`` of ``token_ids`` (int32), ``parents`` (int32, relative
+    to the tree's first node, -1 for a child of the root), ``probs`` (float64) and ``kinds`` (uint8 source kind:
+    0 session, 1 store, 2 dynamic, 3 frozen; see ``tree_builder.SOURCE_NAMES``), every node's in one array.
 
     Attributes:
         latencies_ns: time of each session's step.
@@ -45,10 +45,10 @@ class StepsOutcome:
     """
 
     offsets: list[int]
-    token_ids: list[int]
-    parents: list[int]
-    probs: list[float]
-    kinds: list[int]
+    token_ids: np.ndarray
+    parents: np.ndarray
+    probs: np.ndarray
+    kinds: np.ndarray
     confirmed: list[int]
     latencies_ns: list[int]
     drafted_by_kind: tuple[int, int, int, int]
@@ -114,5 +114,6 @@ def draft_steps(drafter: Drafting, sessions: Sequence[DraftSession], accepted: n
     for sess, length, packed, ema, nodes, n_acc in zip(sessions, new_lens, packed_drafts, new_emas, scored,
                                                        confirmed, strict=True):
         sess.stepped(length, packed, ema, nodes, n_acc)
-    return StepsOutcome(tree_offsets, token_ids, parents, probs, kinds, confirmed, latencies, drafted_by_kind,
-                        confirmed_by_kind)
+    return StepsOutcome(tree_offsets, np.frombuffer(token_ids, np.int32), np.frombuffer(parents, np.int32),
+                        np.frombuffer(probs, np.float64), np.frombuffer(kinds, np.uint8), confirmed, latencies,
+                        drafted_by_kind, confirmed_by_kind)

@@ -6,19 +6,19 @@ import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import fields
-from typing import cast
 
 import grpc
 import numpy as np
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
+from drafter_service.api.errors import InvalidArgument
 from drafter_service.api.frozen_wire import table_from_chunks
 from drafter_service.api.tree import DraftTree
 from drafter_service.namespaces.stats import NamespaceStats
 from drafter_service.rpc.interceptor import status_of
 from drafter_service.service.auth import Caller
-from drafter_service.service.batch import BatchOutcome
+from drafter_service.service.batch import BatchOutcome, BatchStep
 from drafter_service.service.service import DrafterService
 
 logger = logging.getLogger(__name__)
@@ -44,12 +44,42 @@ def _item_errors(errors: list[tuple[int, Exception]], what: str) -> list[pb.Item
     return out
 
 
+def batch_steps(request: pb.DraftBatchRequest) -> tuple[list[BatchStep], tuple[int, int] | None]:
+    """The steps of a DraftBatchRequest, ``steps`` then the packed ones (their tokens int32 views of one array),
+    and the (least, greatest) id of the packed tokens (None when there are none).
+
+    Raises:
+        InvalidArgument: packed lists of different lengths, or counts that do not add up to the packed tokens.
+    """
+    steps: list[BatchStep] = [(s.session_id, s.accepted, s.max_nodes, s.report_only) for s in request.steps]
+    sessions, data = request.packed_sessions, request.packed_tokens
+    n = len(sessions)
+    counts = list(request.packed_counts)
+    budgets = list(request.packed_max_nodes) or [0] * n
+    report = list(request.packed_report_only) or [False] * n
+    if len(counts) != n or len(budgets) != n or len(report) != n:
+        raise InvalidArgument(f"{n} packed sessions with {len(counts)} counts, {len(request.packed_max_nodes)} "
+                              f"budgets and {len(request.packed_report_only)} report flags")
+    if len(data) % 4 or min(counts, default=0) < 0 or sum(counts) != len(data) // 4:
+        raise InvalidArgument(f"packed counts add up to {sum(counts)} tokens, packed_tokens holds {len(data) / 4}")
+    if not n:
+        return steps, None
+    flat = np.frombuffer(data, "<i4").astype(np.int32, copy=False)
+    offsets = [0, *itertools.accumulate(counts)]
+    steps.extend(zip(sessions, [flat[lo:hi] for lo, hi in itertools.pairwise(offsets)], budgets, report,
+                     strict=True))
+    return steps, ((int(flat.min()), int(flat.max())) if flat.size else None)
+
+
 def batch_message(outcome: BatchOutcome) -> pb.DraftBatchResponse:
-    """A DraftBatchResponse: the steps' trees packed one after another (as the outcome holds them), then what
-    failed."""
+    """A DraftBatchResponse: the steps' trees packed one after another (as the outcome holds them, little-endian
+    bytes on the wire), then what failed."""
+    token_ids, parents, probs, sources = outcome.nodes()
     return pb.DraftBatchResponse(
-        tree_offsets=outcome.tree_offsets, token_ids=outcome.token_ids, parents=outcome.parents, probs=outcome.probs,
-        sources=cast("list[pb.Source]", outcome.sources), confirmed=outcome.confirmed, stored_tokens=outcome.stored,
+        tree_offsets=outcome.tree_offsets, token_ids=token_ids.astype("<i4", copy=False).tobytes(),
+        parents=parents.astype("<i4", copy=False).tobytes(), probs=probs.astype("<f4").tobytes(),
+        sources=sources.astype(np.uint8, copy=False).tobytes(), confirmed=outcome.confirmed,
+        stored_tokens=outcome.stored,
         start_errors=_item_errors(outcome.start_errors, "start"),
         step_errors=_item_errors(outcome.step_errors, "step"), end_errors=_item_errors(outcome.end_errors, "end"))
 
@@ -107,11 +137,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             yield self._batch(request, caller)
 
     def _batch(self, request: pb.DraftBatchRequest, caller: Caller) -> pb.DraftBatchResponse:
+        steps, bounds = batch_steps(request)
         outcome = self.service.draft_batch(
-            [(s.namespace, s.session_id, s.prompt, s.max_nodes) for s in request.start],
-            [(s.session_id, s.accepted, s.max_nodes, s.report_only) for s in request.steps],
+            [(s.namespace, s.session_id, s.prompt, s.max_nodes) for s in request.start], steps,
             [(e.session_id, e.accepted) for e in request.end],
-            request.max_nodes, request.step_seconds, request.plain_step_seconds, caller=caller)
+            request.max_nodes, request.step_seconds, request.plain_step_seconds, caller=caller,
+            accepted_bounds=bounds)
         return batch_message(outcome)
 
     def EndSession(self, request: pb.EndSessionRequest, context: grpc.ServicerContext) -> pb.EndSessionResponse:

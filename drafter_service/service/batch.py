@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from drafter_service.api.tree import EMPTY_TREE, DraftTree, TokenIds
 
@@ -17,45 +20,64 @@ SOURCE_CODES = {"session": 1, "store": 2, "dynamic": 3, "frozen": 4, "model": 5,
 """The number of each source name in the API's Source enum (0 for a node without one)."""
 SOURCE_NAMES = {code: name for name, code in SOURCE_CODES.items()}
 
+Nodes = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""Nodes of trees packed one after another: token ids (int32), parents (int32, relative to each tree's first
+node), probabilities (float64) and sources (uint8, ``SOURCE_CODES``)."""
+
 
 @dataclass
 class BatchOutcome:
     """What a batch did: a tree per step (packed one after another), the tokens stored per end, and the items
     that failed.
 
-    Step i's tree is nodes ``tree_offsets[i]`` to ``tree_offsets[i + 1] - 1`` of ``token_ids``, ``parents``
-    (relative to the tree's first node), ``probs`` and ``sources`` (``SOURCE_CODES``). A failed item leaves the
-    others alone: its error (the exception the call alone would have raised) is kept with its index, a failed
+    Step i's tree is nodes ``tree_offsets[i]`` to ``tree_offsets[i + 1] - 1`` of ``nodes()``. A failed item leaves
+    the others alone: its error (the exception the call alone would have raised) is kept with its index, a failed
     step's tree is empty and a failed end stored nothing.
     """
 
     tree_offsets: list[int] = field(default_factory=lambda: [0])
-    token_ids: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    probs: list[float] = field(default_factory=list)
-    sources: list[int] = field(default_factory=list)
     confirmed: list[int] = field(default_factory=list)
     stored: list[int] = field(default_factory=list)
     start_errors: list[tuple[int, Exception]] = field(default_factory=list)
     step_errors: list[tuple[int, Exception]] = field(default_factory=list)
     end_errors: list[tuple[int, Exception]] = field(default_factory=list)
+    parts: list[Nodes] = field(default_factory=list)
 
     def add_tree(self, tree: DraftTree, confirmed: int) -> None:
         """Append the next step's tree and what its tokens confirmed."""
-        self.token_ids.extend(tree.token_ids)
-        self.parents.extend(tree.parents)
-        self.probs.extend(tree.probs)
-        self.sources.extend(SOURCE_CODES.get(s, 0) for s in tree.sources or ("",) * len(tree))
-        self.tree_offsets.append(len(self.token_ids))
+        if len(tree):
+            self.parts.append((np.array(tree.token_ids, np.int32), np.array(tree.parents, np.int32),
+                               np.array(tree.probs, np.float64),
+                               np.array([SOURCE_CODES.get(s, 0) for s in tree.sources or ("",) * len(tree)],
+                                        np.uint8)))
+        self.tree_offsets.append(self.tree_offsets[-1] + len(tree))
         self.confirmed.append(confirmed)
+
+    def add_trees(self, offsets: Sequence[int], nodes: Nodes, confirmed: Sequence[int]) -> None:
+        """Append the trees of several steps: tree i is nodes ``offsets[i]`` to ``offsets[i + 1] - 1`` of ``nodes``
+        (``offsets[0]`` is 0)."""
+        base = self.tree_offsets[-1]
+        self.tree_offsets.extend([base + o for o in offsets[1:]] if base else offsets[1:])
+        if offsets[-1]:
+            self.parts.append(nodes)
+        self.confirmed.extend(confirmed)
+
+    def nodes(self) -> Nodes:
+        """Every step's nodes, one tree after another."""
+        if len(self.parts) == 1:
+            return self.parts[0]
+        if not self.parts:
+            return (np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float64), np.zeros(0, np.uint8))
+        return tuple(np.concatenate(column) for column in zip(*self.parts, strict=True))  # type: ignore[return-value]
 
     @property
     def trees(self) -> list[DraftTree]:
         """Every step's tree as a DraftTree."""
+        token_ids, parents, probs, sources = (column.tolist() for column in self.nodes())
         out = []
         for lo, hi in itertools.pairwise(self.tree_offsets):
-            probs = tuple(self.probs[lo:hi])
-            out.append(DraftTree(tuple(self.token_ids[lo:hi]), tuple(self.parents[lo:hi]), probs, float(sum(probs)),
-                                 tuple(SOURCE_NAMES.get(s, "") for s in self.sources[lo:hi])) if hi > lo
+            p = tuple(probs[lo:hi])
+            out.append(DraftTree(tuple(token_ids[lo:hi]), tuple(parents[lo:hi]), p, float(sum(p)),
+                                 tuple(SOURCE_NAMES.get(s, "") for s in sources[lo:hi])) if hi > lo
                        else EMPTY_TREE)
         return out

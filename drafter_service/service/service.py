@@ -110,9 +110,13 @@ class DrafterService:
             raise InvalidArgument(f"{what} holds {len(tokens)} tokens, more than the limit "
                                   f"{self.config.max_request_tokens}")
 
-    def _accepted(self, ns: Namespace, sess: DraftSession, session_id: str, accepted: TokenIds) -> np.ndarray:
+    def _accepted(self, ns: Namespace, sess: DraftSession, session_id: str, accepted: TokenIds,
+                  bounds: tuple[int, int] | None = None) -> np.ndarray:
         """``accepted`` (already within ``_check_tokens``) checked against the session's growth and the namespace's
         vocabulary, and converted to int32 once.
+
+        ``bounds`` (least, greatest) holds every id of an int32 ``accepted`` when the caller knows it (a batch reads
+        all its steps' tokens at once): within the vocabulary, the ids are not looked at one by one.
 
         Raises:
             InvalidArgument: an output beyond ``max_request_tokens``, or bad token ids.
@@ -121,6 +125,9 @@ class DrafterService:
         if grown > self.config.max_request_tokens:
             raise InvalidArgument(f"session {session_id!r} would hold {grown} output tokens, more than the limit "
                                   f"{self.config.max_request_tokens}")
+        if (bounds is not None and isinstance(accepted, np.ndarray) and accepted.dtype == np.int32
+                and 0 <= bounds[0] and bounds[1] < ns.drafter.config.vocab_size):
+            return accepted
         return ns.drafter.tokens(accepted, "accepted")
 
     @staticmethod
@@ -171,12 +178,14 @@ class DrafterService:
 
     def draft_batch(self, starts: Sequence[BatchStart], steps: Sequence[BatchStep], ends: Sequence[BatchEnd],
                     max_nodes: int = 0, step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
-                    caller: Caller | None = None) -> BatchOutcome:
+                    caller: Caller | None = None, accepted_bounds: tuple[int, int] | None = None) -> BatchOutcome:
         """One engine step of many sessions: open ``starts``, draft for ``steps`` in order, then end ``ends``.
 
         Each item is handled exactly as ``start_session``, ``draft`` and ``end_session`` would handle it alone, and
         fails alone: the outcome keeps its error and the other items go on. ``max_nodes`` is the budget of every
         step that gives none; the step times are the engine's batched step, shared by every step.
+        ``accepted_bounds``: (least, greatest) of every step's accepted ids when the caller knows them (steps
+        given as int32 arrays are then checked against the vocabulary once, not id by id).
 
         Raises:
             InvalidArgument: the call itself is malformed (a list longer than ``max_sessions``, a bad default
@@ -194,7 +203,7 @@ class DrafterService:
                 self.start_session(namespace, session_id, prompt, budget, caller=who)
             except Exception as exc:  # this item alone fails; the caller reports it
                 out.start_errors.append((i, exc))
-        self._batch_steps(steps, max_nodes, step_seconds, plain_step_seconds, who, out)
+        self._batch_steps(steps, max_nodes, step_seconds, plain_step_seconds, who, out, accepted_bounds)
         for i, (session_id, accepted) in enumerate(ends):
             try:
                 out.stored.append(self.end_session(session_id, accepted, caller=who))
@@ -204,7 +213,8 @@ class DrafterService:
         return out
 
     def _batch_steps(self, steps: Sequence[BatchStep], max_nodes: int, step_seconds: float,
-                     plain_step_seconds: float, caller: Caller, out: BatchOutcome) -> None:
+                     plain_step_seconds: float, caller: Caller, out: BatchOutcome,
+                     bounds: tuple[int, int] | None = None) -> None:
         """The steps of a batch, in order, each as ``_draft_step`` would take it: runs of sessions their drafter can
         batch go through ``Namespace.draft_steps`` (one native call each), the others one by one."""
         run: list[tuple[DraftSession, np.ndarray, int, bool]] = []
@@ -216,7 +226,7 @@ class DrafterService:
                 budget = budget or max_nodes
                 self._check_budget(budget)
                 ns, sess = self.sessions.get(caller, session_id)
-                ids = self._accepted(ns, sess, session_id, accepted)
+                ids = self._accepted(ns, sess, session_id, accepted, bounds)
             except Exception as exc:
                 self._flush_steps(run_ns, run, step_seconds, plain_step_seconds, out)
                 run, run_ns = [], None
@@ -255,13 +265,8 @@ class DrafterService:
         limits = [budget or sess.max_nodes for sess, _, budget, _ in run]
         done = ns.draft_steps(sessions, accepted, offsets, limits, [r for *_, r in run], step_seconds,
                               plain_step_seconds)
-        base = out.tree_offsets[-1]
-        out.tree_offsets.extend([base + o for o in done.offsets[1:]] if base else done.offsets[1:])
-        out.token_ids.extend(done.token_ids)
-        out.parents.extend(done.parents)
-        out.probs.extend(done.probs)
-        out.sources.extend(k + 1 for k in done.kinds)  # source kind -> Source number (tree_builder.SOURCE_NAMES)
-        out.confirmed.extend(done.confirmed)
+        sources = done.kinds + np.uint8(1)  # source kind -> Source number (tree_builder.SOURCE_NAMES)
+        out.add_trees(done.offsets, (done.token_ids, done.parents, done.probs, sources), done.confirmed)
 
     def end_session(self, session_id: str, accepted: TokenIds, caller: Caller | None = None) -> int:
         """Store the request durably and close its session; returns the tokens stored."""

@@ -142,3 +142,37 @@ def test_the_stream_answers_each_batch_in_order_like_the_unary_call(two_stubs):
     assert replies == [unary.DraftBatch(b) for b in batches]
     assert [len(t) > 0 for t in trees_of_batch(replies[1])] == [True] * 3  # "3 1" was followed by "2" in the prompt
     assert list(replies[2].stored_tokens) == [8, 8, 8]
+
+
+def packed(steps: list[tuple[str, list[int], int, bool]]) -> dict:
+    """The packed request fields of ``steps`` (session id, accepted, max_nodes, report_only)."""
+    return {"packed_sessions": [s for s, *_ in steps],
+            "packed_tokens": np.array([t for _, a, _, _ in steps for t in a], "<i4").tobytes(),
+            "packed_counts": [len(a) for _, a, _, _ in steps], "packed_max_nodes": [b for *_, b, _ in steps],
+            "packed_report_only": [r for *_, r in steps]}
+
+
+def test_packed_steps_come_after_the_others_and_draft_as_they_would(two_stubs):
+    as_messages, as_packed = two_stubs
+    for s in (as_messages, as_packed):
+        s.DraftBatch(pb.DraftBatchRequest(start=[pb.StartSessionRequest(session_id=f"s{i}", prompt=[1, 2, 3, 1, 2])
+                                                 for i in range(4)]))
+    steps = [("s0", [3, 1], 8, False), ("s1", [3], 0, False), ("nobody", [1], 0, False), ("s2", [VOCAB], 0, False),
+             ("s3", [3, 1], 0, True)]
+    want = as_messages.DraftBatch(pb.DraftBatchRequest(
+        steps=[pb.BatchStep(session_id=s, accepted=a, max_nodes=b, report_only=r) for s, a, b, r in steps]))
+    got = as_packed.DraftBatch(pb.DraftBatchRequest(steps=[pb.BatchStep(session_id=steps[0][0], accepted=steps[0][1],
+                                                                        max_nodes=8)], **packed(steps[1:])))
+    assert got == want
+    assert [e.index for e in got.step_errors] == [2, 3] and len(trees_of_batch(got)[0]) > 0
+
+
+def test_packed_steps_that_do_not_add_up_are_refused_whole(stub):
+    stub.StartSession(pb.StartSessionRequest(session_id="a", prompt=[1, 2, 3]))
+    good = packed([("a", [4, 5], 0, False)])
+    for bad in ({"packed_counts": [3]}, {"packed_counts": [1, 1]}, {"packed_max_nodes": [0, 0]},
+                {"packed_tokens": good["packed_tokens"] + b"\0"}, {"packed_counts": [-1]}):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.DraftBatch(pb.DraftBatchRequest(**{**good, **bad}))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert stub.EndSession(pb.EndSessionRequest(session_id="a")).stored_tokens == 3  # nothing was appended

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64rafter/v1/drafter.proto\x12\ndrafter.v1\"_\n\x13StartSessionRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x03(\x05\x12\x11\n\tmax_nodes\x18\x04 \x01(\x05\"=\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\"\x8e\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x05\x12\x11\n\tmax_nodes\x18\x03 \x01(\x05\x12\x13\n\x0breport_only\x18\x04 \x01(\x08\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x02\x12\x1a\n\x12plain_step_seconds\x18\x06 \x01(\x02\"\x89\x01\n\rDraftResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\x12\r\n\x05score\x18\x04 \x01(\x02\x12#\n\x07sources\x18\x05 \x03(\x0e\x32\x12.drafter.v1.Source\x12\x11\n\tconfirmed\x18\x06 \x01(\x05\"Y\n\tBatchStep\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x05\x12\x11\n\tmax_nodes\x18\x03 \x01(\x05\x12\x13\n\x0breport_only\x18\x04 \x01(\x08\"\xda\x01\n\x11\x44raftBatchRequest\x12.\n\x05start\x18\x01 \x03(\x0b\x32\x1f.drafter.v1.StartSessionRequest\x12$\n\x05steps\x18\x02 \x03(\x0b\x32\x15.drafter.v1.BatchStep\x12*\n\x03\x65nd\x18\x03 \x03(\x0b\x32\x1d.drafter.v1.EndSessionRequest\x12\x11\n\tmax_nodes\x18\x04 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x02\x12\x1a\n\x12plain_step_seconds\x18\x06 \x01(\x02\"9\n\tItemError\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xb0\x02\n\x12\x44raftBatchResponse\x12\x14\n\x0ctree_offsets\x18\x01 \x03(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\r\n\x05probs\x18\x04 \x03(\x02\x12#\n\x07sources\x18\x05 \x03(\x0e\x32\x12.drafter.v1.Source\x12\x11\n\tconfirmed\x18\x06 \x03(\x05\x12\x15\n\rstored_tokens\x18\x07 \x03(\x03\x12+\n\x0cstart_errors\x18\x08 \x03(\x0b\x32\x15.drafter.v1.ItemError\x12*\n\x0bstep_errors\x18\t \x03(\x0b\x32\x15.drafter.v1.ItemError\x12)\n\nend_errors\x18\n \x03(\x0b\x32\x15.drafter.v1.ItemError\"9\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x05\"+\n\x12\x45ndSessionResponse\x12\x15\n\rstored_tokens\x18\x01 \x01(\x03\">\n\x08Sequence\x12\x0e\n\x06prompt\x18\x01 \x03(\x05\x12\x0e\n\x06output\x18\x02 \x03(\x05\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"c\n\rIngestRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12&\n\x08requests\x18\x02 \x03(\x0b\x32\x14.drafter.v1.Sequence\x12\x17\n\x0fskip_duplicates\x18\x03 \x01(\x08\"C\n\x0eIngestResponse\x12\x10\n\x08ingested\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12\x0f\n\x07skipped\x18\x03 \x01(\x05\"$\n\x0fGetStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"\xbe\x07\n\x10GetStatsResponse\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rstored_tokens\x18\x03 \x01(\x03\x12\x17\n\x0fstored_requests\x18\x04 \x01(\x03\x12\x16\n\x0eindexed_tokens\x18\x05 \x01(\x03\x12\x18\n\x10unindexed_tokens\x18\x06 \x01(\x03\x12\x14\n\x0cmemory_bytes\x18\x07 \x01(\x03\x12\x19\n\x11index_age_seconds\x18\x08 \x01(\x01\x12\x17\n\x0f\x64ynamic_leaders\x18\t \x01(\x05\x12\x15\n\rfrozen_tables\x18\n \x03(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0b \x01(\x05\x12\x0e\n\x06\x64rafts\x18\x0c \x01(\x03\x12\x16\n\x0e\x64rafted_tokens\x18\r \x01(\x03\x12\x18\n\x10\x63onfirmed_tokens\x18\x0e \x01(\x03\x12\x1c\n\x14mean_accepted_length\x18\x0f \x01(\x01\x12\x1c\n\x14\x64raft_latency_p50_us\x18\x10 \x01(\x01\x12\x1c\n\x14\x64raft_latency_p99_us\x18\x11 \x01(\x01\x12\x1b\n\x13persistence_healthy\x18\x12 \x01(\x08\x12\x16\n\x0ereported_steps\x18\x13 \x01(\x03\x12\x14\n\x0cmean_step_ms\x18\x14 \x01(\x01\x12\x14\n\x0creused_steps\x18\x15 \x01(\x03\x12\x1c\n\x14\x64raft_model_sessions\x18\x16 \x01(\x05\x12\x19\n\x11\x64raft_model_steps\x18\x17 \x01(\x03\x12\x18\n\x10\x64raft_model_hits\x18\x18 \x01(\x03\x12\x15\n\rspeedup_steps\x18\x19 \x01(\x03\x12\x19\n\x11\x65stimated_speedup\x18\x1a \x01(\x01\x12L\n\x11\x64rafted_by_source\x18\x1b \x03(\x0b\x32\x31.drafter.v1.GetStatsResponse.DraftedBySourceEntry\x12P\n\x13\x63onfirmed_by_source\x18\x1c \x03(\x0b\x32\x33.drafter.v1.GetStatsResponse.ConfirmedBySourceEntry\x12\x13\n\x0brepeat_hits\x18\x1d \x01(\x03\x1a\x36\n\x14\x44raftedBySourceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x38\n\x16\x43onfirmedBySourceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb1\x01\n\x10\x46rozenTableChunk\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nleader_len\x18\x03 \x01(\x05\x12\x14\n\x0c\x66ollower_len\x18\x04 \x01(\x05\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x0f\n\x07leaders\x18\x06 \x03(\x05\x12\x0e\n\x06\x66\x61nout\x18\x07 \x03(\x05\x12\x11\n\tfollowers\x18\x08 \x03(\x05\x12\x0e\n\x06\x63ounts\x18\t \x03(\x03\"\x8f\x01\n\x0f\x46rozenTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07leaders\x18\x02 \x01(\x05\x12\x11\n\tfollowers\x18\x03 \x01(\x03\x12\x12\n\nleader_len\x18\x04 \x01(\x05\x12\x14\n\x0c\x66ollower_len\x18\x05 \x01(\x05\x12\x10\n\x08saved_at\x18\x06 \x01(\x01\x12\x0e\n\x06source\x18\x07 \x01(\t\",\n\x17ListFrozenTablesRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"G\n\x18ListFrozenTablesResponse\x12+\n\x06tables\x18\x01 \x03(\x0b\x32\x1b.drafter.v1.FrozenTableInfo\";\n\x18RemoveFrozenTableRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\",\n\x19RemoveFrozenTableResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08*\x92\x01\n\x06Source\x12\x16\n\x12SOURCE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSOURCE_SESSION\x10\x01\x12\x10\n\x0cSOURCE_STORE\x10\x02\x12\x12\n\x0eSOURCE_DYNAMIC\x10\x03\x12\x11\n\rSOURCE_FROZEN\x10\x04\x12\x10\n\x0cSOURCE_MODEL\x10\x05\x12\x11\n\rSOURCE_REPEAT\x10\x06\x32\xeb\x06\n\x07\x44rafter\x12Q\n\x0cStartSession\x12\x1f.drafter.v1.StartSessionRequest\x1a .drafter.v1.StartSessionResponse\x12<\n\x05\x44raft\x12\x18.drafter.v1.DraftRequest\x1a\x19.drafter.v1.DraftResponse\x12\x46\n\x0b\x44raftStream\x12\x18.drafter.v1.DraftRequest\x1a\x19.drafter.v1.DraftResponse(\x01\x30\x01\x12K\n\nEndSession\x12\x1d.drafter.v1.EndSessionRequest\x1a\x1e.drafter.v1.EndSessionResponse\x12?\n\x06Ingest\x12\x19.drafter.v1.IngestRequest\x1a\x1a.drafter.v1.IngestResponse\x12\x45\n\x08GetStats\x12\x1b.drafter.v1.GetStatsRequest\x1a\x1c.drafter.v1.GetStatsResponse\x12M\n\x0ePutFrozenTable\x12\x1c.drafter.v1.FrozenTableChunk\x1a\x1b.drafter.v1.FrozenTableInfo(\x01\x12]\n\x10ListFrozenTables\x12#.drafter.v1.ListFrozenTablesRequest\x1a$.drafter.v1.ListFrozenTablesResponse\x12`\n\x11RemoveFrozenTable\x12$.drafter.v1.RemoveFrozenTableRequest\x1a%.drafter.v1.RemoveFrozenTableResponse\x12K\n\nDraftBatch\x12\x1d.drafter.v1.DraftBatchRequest\x1a\x1e.drafter.v1.DraftBatchResponse\x12U\n\x10\x44raftBatchStream\x12\x1d.drafter.v1.DraftBatchRequest\x1a\x1e.drafter.v1.DraftBatchResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64rafter/v1/drafter.proto\x12\ndrafter.v1\"_\n\x13StartSessionRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x03(\x05\x12\x11\n\tmax_nodes\x18\x04 \x01(\x05\"=\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\"\x8e\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x05\x12\x11\n\tmax_nodes\x18\x03 \x01(\x05\x12\x13\n\x0breport_only\x18\x04 \x01(\x08\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x02\x12\x1a\n\x12plain_step_seconds\x18\x06 \x01(\x02\"\x89\x01\n\rDraftResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\x12\r\n\x05score\x18\x04 \x01(\x02\x12#\n\x07sources\x18\x05 \x03(\x0e\x32\x12.drafter.v1.Source\x12\x11\n\tconfirmed\x18\x06 \x01(\x05\"Y\n\tBatchStep\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x05\x12\x11\n\tmax_nodes\x18\x03 \x01(\x05\x12\x13\n\x0breport_only\x18\x04 \x01(\x08\"\xd7\x02\n\x11\x44raftBatchRequest\x12.\n\x05start\x18\x01 \x03(\x0b\x32\x1f.drafter.v1.StartSessionRequest\x12$\n\x05steps\x18\x02 \x03(\x0b\x32\x15.drafter.v1.BatchStep\x12*\n\x03\x65nd\x18\x03 \x03(\x0b\x32\x1d.drafter.v1.EndSessionRequest\x12\x11\n\tmax_nodes\x18\x04 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x02\x12\x1a\n\x12plain_step_seconds\x18\x06 \x01(\x02\x12\x17\n\x0fpacked_sessions\x18\x07 \x03(\t\x12\x15\n\rpacked_tokens\x18\x08 \x01(\x0c\x12\x15\n\rpacked_counts\x18\t \x03(\x05\x12\x18\n\x10packed_max_nodes\x18\n \x03(\x05\x12\x1a\n\x12packed_report_only\x18\x0b \x03(\x08\"9\n\tItemError\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xa2\x02\n\x12\x44raftBatchResponse\x12\x14\n\x0ctree_offsets\x18\x01 \x03(\x05\x12\x11\n\ttoken_ids\x18\x0b \x01(\x0c\x12\x0f\n\x07parents\x18\x0c \x01(\x0c\x12\r\n\x05probs\x18\r \x01(\x0c\x12\x0f\n\x07sources\x18\x0e \x01(\x0c\x12\x11\n\tconfirmed\x18\x06 \x03(\x05\x12\x15\n\rstored_tokens\x18\x07 \x03(\x03\x12+\n\x0cstart_errors\x18\x08 \x03(\x0b\x32\x15.drafter.v1.ItemError\x12*\n\x0bstep_errors\x18\t \x03(\x0b\x32\x15.drafter.v1.ItemError\x12)\n\nend_errors\x18\n \x03(\x0b\x32\x15.drafter.v1.ItemErrorJ\x04\x08\x02\x10\x06\"9\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x05\"+\n\x12\x45ndSessionResponse\x12\x15\n\rstored_tokens\x18\x01 \x01(\x03\">\n\x08Sequence\x12\x0e\n\x06prompt\x18\x01 \x03(\x05\x12\x0e\n\x06output\x18\x02 \x03(\x05\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"c\n\rIngestRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12&\n\x08requests\x18\x02 \x03(\x0b\x32\x14.drafter.v1.Sequence\x12\x17\n\x0fskip_duplicates\x18\x03 \x01(\x08\"C\n\x0eIngestResponse\x12\x10\n\x08ingested\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12\x0f\n\x07skipped\x18\x03 \x01(\x05\"$\n\x0fGetStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"\xbe\x07\n\x10GetStatsResponse\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rstored_tokens\x18\x03 \x01(\x03\x12\x17\n\x0fstored_requests\x18\x04 \x01(\x03\x12\x16\n\x0eindexed_tokens\x18\x05 \x01(\x03\x12\x18\n\x10unindexed_tokens\x18\x06 \x01(\x03\x12\x14\n\x0cmemory_bytes\x18\x07 \x01(\x03\x12\x19\n\x11index_age_seconds\x18\x08 \x01(\x01\x12\x17\n\x0f\x64ynamic_leaders\x18\t \x01(\x05\x12\x15\n\rfrozen_tables\x18\n \x03(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0b \x01(\x05\x12\x0e\n\x06\x64rafts\x18\x0c \x01(\x03\x12\x16\n\x0e\x64rafted_tokens\x18\r \x01(\x03\x12\x18\n\x10\x63onfirmed_tokens\x18\x0e \x01(\x03\x12\x1c\n\x14mean_accepted_length\x18\x0f \x01(\x01\x12\x1c\n\x14\x64raft_latency_p50_us\x18\x10 \x01(\x01\x12\x1c\n\x14\x64raft_latency_p99_us\x18\x11 \x01(\x01\x12\x1b\n\x13persistence_healthy\x18\x12 \x01(\x08\x12\x16\n\x0ereported_steps\x18\x13 \x01(\x03\x12\x14\n\x0cmean_step_ms\x18\x14 \x01(\x01\x12\x14\n\x0creused_steps\x18\x15 \x01(\x03\x12\x1c\n\x14\x64raft_model_sessions\x18\x16 \x01(\x05\x12\x19\n\x11\x64raft_model_steps\x18\x17 \x01(\x03\x12\x18\n\x10\x64raft_model_hits\x18\x18 \x01(\x03\x12\x15\n\rspeedup_steps\x18\x19 \x01(\x03\x12\x19\n\x11\x65stimated_speedup\x18\x1a \x01(\x01\x12L\n\x11\x64rafted_by_source\x18\x1b \x03(\x0b\x32\x31.drafter.v1.GetStatsResponse.DraftedBySourceEntry\x12P\n\x13\x63onfirmed_by_source\x18\x1c \x03(\x0b\x32\x33.drafter.v1.GetStatsResponse.ConfirmedBySourceEntry\x12\x13\n\x0brepeat_hits\x18\x1d \x01(\x03\x1a\x36\n\x14\x44raftedBySourceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x38\n\x16\x43onfirmedBySourceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb1\x01\n\x10\x46rozenTableChunk\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nleader_len\x18\x03 \x01(\x05\x12\x14\n\x0c\x66ollower_len\x18\x04 \x01(\x05\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x0f\n\x07leaders\x18\x06 \x03(\x05\x12\x0e\n\x06\x66\x61nout\x18\x07 \x03(\x05\x12\x11\n\tfollowers\x18\x08 \x03(\x05\x12\x0e\n\x06\x63ounts\x18\t \x03(\x03\"\x8f\x01\n\x0f\x46rozenTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07leaders\x18\x02 \x01(\x05\x12\x11\n\tfollowers\x18\x03 \x01(\x03\x12\x12\n\nleader_len\x18\x04 \x01(\x05\x12\x14\n\x0c\x66ollower_len\x18\x05 \x01(\x05\x12\x10\n\x08saved_at\x18\x06 \x01(\x01\x12\x0e\n\x06source\x18\x07 \x01(\t\",\n\x17ListFrozenTablesRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"G\n\x18ListFrozenTablesResponse\x12+\n\x06tables\x18\x01 \x03(\x0b\x32\x1b.drafter.v1.FrozenTableInfo\";\n\x18RemoveFrozenTableRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\",\n\x19RemoveFrozenTableResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08*\x92\x01\n\x06Source\x12\x16\n\x12SOURCE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSOURCE_SESSION\x10\x01\x12\x10\n\x0cSOURCE_STORE\x10\x02\x12\x12\n\x0eSOURCE_DYNAMIC\x10\x03\x12\x11\n\rSOURCE_FROZEN\x10\x04\x12\x10\n\x0cSOURCE_MODEL\x10\x05\x12\x11\n\rSOURCE_REPEAT\x10\x06\x32\xeb\x06\n\x07\x44rafter\x12Q\n\x0cStartSession\x12\x1f.drafter.v1.StartSessionRequest\x1a .drafter.v1.StartSessionResponse\x12<\n\x05\x44raft\x12\x18.drafter.v1.DraftRequest\x1a\x19.drafter.v1.DraftResponse\x12\x46\n\x0b\x44raftStream\x12\x18.drafter.v1.DraftRequest\x1a\x19.drafter.v1.DraftResponse(\x01\x30\x01\x12K\n\nEndSession\x12\x1d.drafter.v1.EndSessionRequest\x1a\x1e.drafter.v1.EndSessionResponse\x12?\n\x06Ingest\x12\x19.drafter.v1.IngestRequest\x1a\x1a.drafter.v1.IngestResponse\x12\x45\n\x08GetStats\x12\x1b.drafter.v1.GetStatsRequest\x1a\x1c.drafter.v1.GetStatsResponse\x12M\n\x0ePutFrozenTable\x12\x1c.drafter.v1.FrozenTableChunk\x1a\x1b.drafter.v1.FrozenTableInfo(\x01\x12]\n\x10ListFrozenTables\x12#.drafter.v1.ListFrozenTablesRequest\x1a$.drafter.v1.ListFrozenTablesResponse\x12`\n\x11RemoveFrozenTable\x12$.drafter.v1.RemoveFrozenTableRequest\x1a%.drafter.v1.RemoveFrozenTableResponse\x12K\n\nDraftBatch\x12\x1d.drafter.v1.DraftBatchRequest\x1a\x1e.drafter.v1.DraftBatchResponse\x12U\n\x10\x44raftBatchStream\x12\x1d.drafter.v1.DraftBatchRequest\x1a\x1e.drafter.v1.DraftBatchResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSRESPONSE_DRAFTEDBYSOURCEENTRY']._serialized_options = b'8\001'
   _globals['_GETSTATSRESPONSE_CONFIRMEDBYSOURCEENTRY']._loaded_options = None
   _globals['_GETSTATSRESPONSE_CONFIRMEDBYSOURCEENTRY']._serialized_options = b'8\001'
-  _globals['_SOURCE']._serialized_start=3053
-  _globals['_SOURCE']._serialized_end=3199
+  _globals['_SOURCE']._serialized_start=3164
+  _globals['_SOURCE']._serialized_end=3310
   _globals['_STARTSESSIONREQUEST']._serialized_start=40
   _globals['_STARTSESSIONREQUEST']._serialized_end=135
   _globals['_STARTSESSIONRESPONSE']._serialized_start=137
@@ -49,41 +49,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BATCHSTEP']._serialized_start=485
   _globals['_BATCHSTEP']._serialized_end=574
   _globals['_DRAFTBATCHREQUEST']._serialized_start=577
-  _globals['_DRAFTBATCHREQUEST']._serialized_end=795
-  _globals['_ITEMERROR']._serialized_start=797
-  _globals['_ITEMERROR']._serialized_end=854
-  _globals['_DRAFTBATCHRESPONSE']._serialized_start=857
-  _globals['_DRAFTBATCHRESPONSE']._serialized_end=1161
-  _globals['_ENDSESSIONREQUEST']._serialized_start=1163
-  _globals['_ENDSESSIONREQUEST']._serialized_end=1220
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=1222
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=1265
-  _globals['_SEQUENCE']._serialized_start=1267
-  _globals['_SEQUENCE']._serialized_end=1329
-  _globals['_INGESTREQUEST']._serialized_start=1331
-  _globals['_INGESTREQUEST']._serialized_end=1430
-  _globals['_INGESTRESPONSE']._serialized_start=1432
-  _globals['_INGESTRESPONSE']._serialized_end=1499
-  _globals['_GETSTATSREQUEST']._serialized_start=1501
-  _globals['_GETSTATSREQUEST']._serialized_end=1537
-  _globals['_GETSTATSRESPONSE']._serialized_start=1540
-  _globals['_GETSTATSRESPONSE']._serialized_end=2498
-  _globals['_GETSTATSRESPONSE_DRAFTEDBYSOURCEENTRY']._serialized_start=2386
-  _globals['_GETSTATSRESPONSE_DRAFTEDBYSOURCEENTRY']._serialized_end=2440
-  _globals['_GETSTATSRESPONSE_CONFIRMEDBYSOURCEENTRY']._serialized_start=2442
-  _globals['_GETSTATSRESPONSE_CONFIRMEDBYSOURCEENTRY']._serialized_end=2498
-  _globals['_FROZENTABLECHUNK']._serialized_start=2501
-  _globals['_FROZENTABLECHUNK']._serialized_end=2678
-  _globals['_FROZENTABLEINFO']._serialized_start=2681
-  _globals['_FROZENTABLEINFO']._serialized_end=2824
-  _globals['_LISTFROZENTABLESREQUEST']._serialized_start=2826
-  _globals['_LISTFROZENTABLESREQUEST']._serialized_end=2870
-  _globals['_LISTFROZENTABLESRESPONSE']._serialized_start=2872
-  _globals['_LISTFROZENTABLESRESPONSE']._serialized_end=2943
-  _globals['_REMOVEFROZENTABLEREQUEST']._serialized_start=2945
-  _globals['_REMOVEFROZENTABLEREQUEST']._serialized_end=3004
-  _globals['_REMOVEFROZENTABLERESPONSE']._serialized_start=3006
-  _globals['_REMOVEFROZENTABLERESPONSE']._serialized_end=3050
-  _globals['_DRAFTER']._serialized_start=3202
-  _globals['_DRAFTER']._serialized_end=4077
+  _globals['_DRAFTBATCHREQUEST']._serialized_end=920
+  _globals['_ITEMERROR']._serialized_start=922
+  _globals['_ITEMERROR']._serialized_end=979
+  _globals['_DRAFTBATCHRESPONSE']._serialized_start=982
+  _globals['_DRAFTBATCHRESPONSE']._serialized_end=1272
+  _globals['_ENDSESSIONREQUEST']._serialized_start=1274
+  _globals['_ENDSESSIONREQUEST']._serialized_end=1331
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=1333
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=1376
+  _globals['_SEQUENCE']._serialized_start=1378
+  _globals['_SEQUENCE']._serialized_end=1440
+  _globals['_INGESTREQUEST']._serialized_start=1442
+  _globals['_INGESTREQUEST']._serialized_end=1541
+  _globals['_INGESTRESPONSE']._serialized_start=1543
+  _globals['_INGESTRESPONSE']._serialized_end=1610
+  _globals['_GETSTATSREQUEST']._serialized_start=1612
+  _globals['_GETSTATSREQUEST']._serialized_end=1648
+  _globals['_GETSTATSRESPONSE']._serialized_start=1651
+  _globals['_GETSTATSRESPONSE']._serialized_end=2609
+  _globals['_GETSTATSRESPONSE_DRAFTEDBYSOURCEENTRY']._serialized_start=2497
+  _globals['_GETSTATSRESPONSE_DRAFTEDBYSOURCEENTRY']._serialized_end=2551
+  _globals['_GETSTATSRESPONSE_CONFIRMEDBYSOURCEENTRY']._serialized_start=2553
+  _globals['_GETSTATSRESPONSE_CONFIRMEDBYSOURCEENTRY']._serialized_end=2609
+  _globals['_FROZENTABLECHUNK']._serialized_start=2612
+  _globals['_FROZENTABLECHUNK']._serialized_end=2789
+  _globals['_FROZENTABLEINFO']._serialized_start=2792
+  _globals['_FROZENTABLEINFO']._serialized_end=2935
+  _globals['_LISTFROZENTABLESREQUEST']._serialized_start=2937
+  _globals['_LISTFROZENTABLESREQUEST']._serialized_end=2981
+  _globals['_LISTFROZENTABLESRESPONSE']._serialized_start=2983
+  _globals['_LISTFROZENTABLESRESPONSE']._serialized_end=3054
+  _globals['_REMOVEFROZENTABLEREQUEST']._serialized_start=3056
+  _globals['_REMOVEFROZENTABLEREQUEST']._serialized_end=3115
+  _globals['_REMOVEFROZENTABLERESPONSE']._serialized_start=3117
+  _globals['_REMOVEFROZENTABLERESPONSE']._serialized_end=3161
+  _globals['_DRAFTER']._serialized_start=3313
+  _globals['_DRAFTER']._serialized_end=4188
 # @@protoc_insertion_point(module_scope)

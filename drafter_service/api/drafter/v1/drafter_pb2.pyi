@@ -90,20 +90,30 @@ class BatchStep(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., accepted: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., report_only: _Optional[bool] = ...) -> None: ...
 
 class DraftBatchRequest(_message.Message):
-    __slots__ = ("start", "steps", "end", "max_nodes", "step_seconds", "plain_step_seconds")
+    __slots__ = ("start", "steps", "end", "max_nodes", "step_seconds", "plain_step_seconds", "packed_sessions", "packed_tokens", "packed_counts", "packed_max_nodes", "packed_report_only")
     START_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_REPORT_ONLY_FIELD_NUMBER: _ClassVar[int]
     start: _containers.RepeatedCompositeFieldContainer[StartSessionRequest]
     steps: _containers.RepeatedCompositeFieldContainer[BatchStep]
     end: _containers.RepeatedCompositeFieldContainer[EndSessionRequest]
     max_nodes: int
     step_seconds: float
     plain_step_seconds: float
-    def __init__(self, start: _Optional[_Iterable[_Union[StartSessionRequest, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[BatchStep, _Mapping]]] = ..., end: _Optional[_Iterable[_Union[EndSessionRequest, _Mapping]]] = ..., max_nodes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., plain_step_seconds: _Optional[float] = ...) -> None: ...
+    packed_sessions: _containers.RepeatedScalarFieldContainer[str]
+    packed_tokens: bytes
+    packed_counts: _containers.RepeatedScalarFieldContainer[int]
+    packed_max_nodes: _containers.RepeatedScalarFieldContainer[int]
+    packed_report_only: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, start: _Optional[_Iterable[_Union[StartSessionRequest, _Mapping]]] = ..., steps: _Optional[_Iterable[_Union[BatchStep, _Mapping]]] = ..., end: _Optional[_Iterable[_Union[EndSessionRequest, _Mapping]]] = ..., max_nodes: _Optional[int] = ..., step_seconds: _Optional[float] = ..., plain_step_seconds: _Optional[float] = ..., packed_sessions: _Optional[_Iterable[str]] = ..., packed_tokens: _Optional[bytes] = ..., packed_counts: _Optional[_Iterable[int]] = ..., packed_max_nodes: _Optional[_Iterable[int]] = ..., packed_report_only: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class ItemError(_message.Message):
     __slots__ = ("index", "code", "message")
@@ -128,16 +138,16 @@ class DraftBatchResponse(_message.Message):
     STEP_ERRORS_FIELD_NUMBER: _ClassVar[int]
     END_ERRORS_FIELD_NUMBER: _ClassVar[int]
     tree_offsets: _containers.RepeatedScalarFieldContainer[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    parents: _containers.RepeatedScalarFieldContainer[int]
-    probs: _containers.RepeatedScalarFieldContainer[float]
-    sources: _containers.RepeatedScalarFieldContainer[Source]
+    token_ids: bytes
+    parents: bytes
+    probs: bytes
+    sources: bytes
     confirmed: _containers.RepeatedScalarFieldContainer[int]
     stored_tokens: _containers.RepeatedScalarFieldContainer[int]
     start_errors: _containers.RepeatedCompositeFieldContainer[ItemError]
     step_errors: _containers.RepeatedCompositeFieldContainer[ItemError]
     end_errors: _containers.RepeatedCompositeFieldContainer[ItemError]
-    def __init__(self, tree_offsets: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., sources: _Optional[_Iterable[_Union[Source, str]]] = ..., confirmed: _Optional[_Iterable[int]] = ..., stored_tokens: _Optional[_Iterable[int]] = ..., start_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ..., step_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ..., end_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ...) -> None: ...
+    def __init__(self, tree_offsets: _Optional[_Iterable[int]] = ..., token_ids: _Optional[bytes] = ..., parents: _Optional[bytes] = ..., probs: _Optional[bytes] = ..., sources: _Optional[bytes] = ..., confirmed: _Optional[_Iterable[int]] = ..., stored_tokens: _Optional[_Iterable[int]] = ..., start_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ..., step_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ..., end_errors: _Optional[_Iterable[_Union[ItemError, _Mapping]]] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id", "accepted")
