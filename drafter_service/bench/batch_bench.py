@@ -31,8 +31,10 @@ def add_batch_bench(bench: argparse._SubParsersAction) -> None:
     bp.set_defaults(func=run_batch_bench)
 
 
-HELD = 1000
-"""Held-out requests the engines replay, each once while they last."""
+FILL = 2000
+"""ShareGPT requests stored (cycled) until the service holds ``--tokens``."""
+HELD = 4000
+"""Held-out requests the engines replay, each once while they last (enough for the default rows)."""
 
 
 class Engine:
@@ -85,7 +87,7 @@ def _time_steps(engine: Engine, batched: bool, budget: int, steps: int) -> list[
 def run_batch_bench(args: argparse.Namespace) -> int:
     """Fill a service process, then time engine steps at each batch size and budget, both paths side by side."""
     batches, budgets = args.batch or [1, 8, 32, 128, 256], args.budget or [16, 32]
-    requests = load_dataset("sharegpt", 3000)
+    requests = load_dataset("sharegpt", FILL + HELD)
     held, fill = requests[-HELD:], requests[:-HELD]
     with tempfile.TemporaryDirectory(prefix="drafter-bench-") as tmp:
         svc = ServiceProcess(Path(tmp) / "data", capacity=int(args.tokens * 1.3) + 1024)
