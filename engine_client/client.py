@@ -365,14 +365,9 @@ class DrafterClient(LocalFigures):
             try:
                 reply = self._stub.DraftBatch(call.request, timeout=self.timeout)
             except grpc.RpcError as exc:
-                code, details = rpc_code(exc)
-                step_batch.call_failed(book, call, code, details, definite=code in CALLER_ERRORS)
-                self._backoff.failure(f"{code}: {details}")
+                step_batch.call_failed(book, self._backoff, call, exc)
                 break
-            self._backoff.success()
-            down = step_batch.answered(book, batch, call, reply, max_nodes)
-            if down is not None:
-                self._backoff.failure(f"{down.code}: {down.details}")
+            if not step_batch.took(book, self._backoff, batch, call, reply, max_nodes):
                 break
         return step_batch.finish(book, batch)
 

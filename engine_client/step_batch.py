@@ -11,7 +11,7 @@ import numpy as np
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.tree import DraftTree
-from engine_client.client_common import DrafterRequestError
+from engine_client.client_common import CALLER_ERRORS, Backoff, DrafterRequestError, rpc_code
 from engine_client.draft_reuse import Pending, SessionBook, SessionState, trees_of_batch
 
 CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
@@ -84,10 +84,27 @@ def next_call(book: SessionBook, batch: StepBatch, namespace: str, max_nodes: in
                      starts, list(zip(order, pending, strict=True)))
 
 
-def call_failed(book: SessionBook, call: BatchCall, code: str, details: str, definite: bool) -> None:
-    """The whole call got no answer: every step in it failed (``definite``: surely not applied)."""
+def call_failed(book: SessionBook, backoff: Backoff, call: BatchCall, exc: grpc.RpcError) -> None:
+    """The whole call got no answer: every step in it failed (surely not applied when the caller was at fault),
+    and the service counts as away."""
+    code, details = rpc_code(exc)
     for _, entry in call.entries:
-        book.failed(entry, code, details, definite=definite)
+        book.failed(entry, code, details, definite=code in CALLER_ERRORS)
+    backoff.failure(f"{code}: {details}")
+
+
+def took(book: SessionBook, backoff: Backoff, batch: StepBatch, call: BatchCall, reply: pb.DraftBatchResponse,
+         max_nodes: int) -> bool:
+    """Take in a DraftBatch reply (see ``answered``) and tell the backoff; False when the service is down.
+
+    Raises:
+        DrafterRequestError: as ``answered``.
+    """
+    backoff.success()
+    down = answered(book, batch, call, reply, max_nodes)
+    if down is not None:
+        backoff.failure(f"{down.code}: {down.details}")
+    return down is None
 
 
 def answered(book: SessionBook, batch: StepBatch, call: BatchCall, reply: pb.DraftBatchResponse,
@@ -102,8 +119,8 @@ def answered(book: SessionBook, batch: StepBatch, call: BatchCall, reply: pb.Dra
     """
     for error in reply.start_errors:
         book.open_refused(batch.states[call.starts[error.index]], CODE_NAMES.get(error.code, "UNKNOWN"))
+    trees = trees_of_batch(reply)
     if not reply.step_errors:  # every step answered: settled at once
-        trees = trees_of_batch(reply)
         if len(trees) == len(call.entries):
             for (i, _), tree in zip(call.entries, book.answered_all([e for _, e in call.entries], trees, max_nodes,
                                                                      batch.t0), strict=True):
@@ -111,7 +128,7 @@ def answered(book: SessionBook, batch: StepBatch, call: BatchCall, reply: pb.Dra
                     batch.trees[i] = tree
             return None
     errors = {e.index: e for e in reply.step_errors}
-    for k, ((_, entry), tree) in enumerate(zip(call.entries, trees_of_batch(reply), strict=True)):
+    for k, ((_, entry), tree) in enumerate(zip(call.entries, trees, strict=True)):
         if k not in errors:
             book.answered(entry, tree)
         else:

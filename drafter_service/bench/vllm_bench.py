@@ -16,6 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from drafter_service.bench.e2e_prompts import E2E_DATASETS, load_prompts
 from drafter_service.bench.serve_bench import ServiceProcess
@@ -94,7 +95,7 @@ def machine() -> str:
 
 
 def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[str, tuple[list, list]],
-               reference: dict[str, list[list[int]]] | None, workdir: Path, log: object) -> list[MethodRun]:
+               reference: dict[str, list[list[int]]] | None, workdir: Path, log: TextIO | None) -> list[MethodRun]:
     """Warm and measure one method on every workload, with one engine (and, for drafter, one fresh service)."""
     service = None
     env: dict[str, str] = {}
@@ -105,7 +106,7 @@ def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[
         env = {"DRAFTER_ADDRESS": service.address, "DRAFTER_PROPOSER_STATS": str(stats_file)}
     runs: list[MethodRun] = []
     try:
-        with VllmEngineProcess(model, method, args.k, env=env, log=log) as engine:  # type: ignore[arg-type]
+        with VllmEngineProcess(model, method, args.k, env=env, log=log) as engine:
             _progress(f"{method}: engine ready in {engine.startup_seconds:.0f} s")
             for dataset, (warm, held) in prompts.items():
                 t0 = time.perf_counter()
