@@ -219,12 +219,14 @@ class AsyncDrafterClient(LocalFigures):
         return state.local_id
 
     async def draft(self, session: str, accepted: Sequence[int], max_nodes: int = 0,
-                    step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> DraftTree:
+                    step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
+                    verify_cost: Sequence[tuple[float, float]] = ()) -> DraftTree:
         """The next draft tree of a session (EMPTY_TREE when the service is away). See ``DrafterClient.draft``."""
         t0 = perf_counter_ns()
         await self.connect()
         book = self._book
         state = book.get(session)
+        cost = book.cost_points(verify_cost)  # checked before anything is recorded
         toks = book.record(state, accepted, step_seconds, max_nodes, plain_step_seconds)
         tree = book.try_reuse(state, toks, max_nodes)
         if tree is not None:
@@ -242,7 +244,7 @@ class AsyncDrafterClient(LocalFigures):
             for _ in range(4):
                 if book.needs_open(state):
                     await self._open_remote(state)
-                req, entry = book.draft_request(state, max_nodes, False, step_seconds, plain_step_seconds)
+                req, entry = book.draft_request(state, max_nodes, False, step_seconds, plain_step_seconds, cost)
                 stream = self._get_stream()
                 async with stream.lock:
                     if await stream.post(req, entry):

@@ -286,7 +286,8 @@ class DrafterClient(LocalFigures):
         return state.local_id
 
     def draft(self, session: str, accepted: Sequence[int], max_nodes: int = 0,
-              step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> DraftTree:
+              step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
+              verify_cost: Sequence[tuple[float, float]] = ()) -> DraftTree:
         """The next draft tree of a session: a reused subtree, a fresh one, or EMPTY_TREE when the service is away.
 
         Args:
@@ -296,6 +297,8 @@ class DrafterClient(LocalFigures):
             step_seconds: time of the verification step that produced ``accepted`` (passed to the service).
             plain_step_seconds: time a plain decode step (one token, no draft) takes on the engine now, 0 when
                 unknown (passed to the service, which estimates the speedup from the two).
+            verify_cost: the engine's step time against draft nodes as ``(nodes, seconds)`` points (at most 64;
+                ``StepCostCurve.points``); the service then returns only the prefix worth verifying.
 
         Raises:
             DrafterRequestError: unknown session, bad token ids, budget or step time (nothing is recorded).
@@ -303,6 +306,7 @@ class DrafterClient(LocalFigures):
         t0 = perf_counter_ns()
         book = self._book
         state = book.get(session)
+        cost = book.cost_points(verify_cost)  # checked before anything is recorded
         toks = book.record(state, accepted, step_seconds, max_nodes, plain_step_seconds)
         tree = book.try_reuse(state, toks, max_nodes)
         if tree is not None:
@@ -320,7 +324,7 @@ class DrafterClient(LocalFigures):
             for _ in range(4):
                 if book.needs_open(state):
                     self._open_remote(state)
-                req, entry = book.draft_request(state, max_nodes, False, step_seconds, plain_step_seconds)
+                req, entry = book.draft_request(state, max_nodes, False, step_seconds, plain_step_seconds, cost)
                 stream = self._get_stream()
                 with stream.lock:
                     if stream.post(req, entry):

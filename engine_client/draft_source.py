@@ -24,7 +24,8 @@ class DraftSource(Protocol):
         ...
 
     def draft(self, session: str, accepted: Sequence[int], max_nodes: int = 0,
-              step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> DraftTree:
+              step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
+              verify_cost: Sequence[tuple[float, float]] = ()) -> DraftTree:
         """The next tree for a session.
 
         Args:
@@ -35,6 +36,8 @@ class DraftSource(Protocol):
             step_seconds: how long the verification step that produced ``accepted`` took (0: unknown).
             plain_step_seconds: how long a plain decode step (one token, no draft) takes on the engine now
                 (0: unknown); with ``step_seconds`` it lets the service estimate the speedup.
+            verify_cost: the engine's step time against draft nodes, as ``(nodes, seconds)`` points by size
+                (``StepCostCurve.points``); given, the source may leave out nodes not worth verifying.
         """
         ...
 
@@ -53,7 +56,8 @@ class NoDrafts:
         return f"plain-{next(self._ids)}"
 
     def draft(self, session: str, accepted: Sequence[int], max_nodes: int = 0,
-              step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> DraftTree:
+              step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
+              verify_cost: Sequence[tuple[float, float]] = ()) -> DraftTree:
         return EMPTY_TREE
 
     def end(self, session: str, accepted: Sequence[int]) -> None:

@@ -14,7 +14,7 @@ from engine_client.draft_source import DraftSource, DraftTree, NoDrafts
 from engine_client.kv_cache import keep_block_entries, new_cache, trim_to_windows
 from engine_client.tree_attention import model_tree_mask, tree_positions
 from engine_client.verification import Verdict, greedy_verify, sample_verify
-from engine_client.verify_budget import StepCostModel, best_prefix
+from engine_client.verify_budget import VerifyBudget
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ class ReferenceEngine:
     """
 
     def __init__(self, model: torch.nn.Module, draft_source: DraftSource | None = None, max_nodes: int = 32,
-                 device: torch.device | str | None = None, adaptive: bool = False, min_nodes: int = 4) -> None:
+                 device: torch.device | str | None = None, adaptive: bool = False, min_nodes: int = 0,
+                 budget: VerifyBudget | None = None) -> None:
         """Set up the engine.
 
         Args:
@@ -88,9 +89,12 @@ class ReferenceEngine:
             draft_source: where drafts come from; None for no drafting.
             max_nodes: most draft nodes verified per step (longer trees are cut with ``DraftTree.prefix``).
             device: where to run; None picks ``default_device(model)``.
-            adaptive: verify only the leading nodes that maximise expected tokens per second, from the tree's
-                acceptance estimates and a running fit of step time against nodes verified.
-            min_nodes: with ``adaptive``, verify at least this many nodes (keeps the time fit informed).
+            adaptive: verify only the leading nodes that maximise expected tokens per second (none when drafting
+                does not pay), from the tree's acceptance estimates, calibrated against what was accepted, and the
+                step time measured at each size (``VerifyBudget``).
+            min_nodes: with ``adaptive``, verify at least this many nodes.
+            budget: the rule and what it learned (kept across requests; a new one by default). It also measures
+                the step times the draft source is told about when ``adaptive`` is off.
         """
         if max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
@@ -101,8 +105,7 @@ class ReferenceEngine:
         self.draft_source: DraftSource = draft_source if draft_source is not None else NoDrafts()
         self.max_nodes = max_nodes
         self.adaptive = adaptive
-        self.min_nodes = min_nodes
-        self.cost = StepCostModel()
+        self.budget = budget if budget is not None else VerifyBudget(min_nodes=min_nodes)
 
     def _forward(self, input_ids: list[int], cache: Any, mask: Any = None,
                  positions: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
@@ -168,12 +171,14 @@ class ReferenceEngine:
             step_seconds = 0.0
             while len(tokens) < max_new_tokens:
                 t0 = time.perf_counter()
+                curve = self.budget.curve
                 tree = source.draft(session, since_last, self.max_nodes, step_seconds=step_seconds,
-                                    plain_step_seconds=self.cost.plain_seconds())
+                                    plain_step_seconds=curve.plain_seconds(),
+                                    verify_cost=curve.points() if self.adaptive else ())
                 if len(tree) > self.max_nodes:
                     tree = tree.prefix(self.max_nodes)
                 if self.adaptive and len(tree):
-                    tree = tree.prefix(best_prefix(tree.probs, *self.cost.line(), min_nodes=self.min_nodes))
+                    tree = tree.prefix(self.budget.choose(tree.probs, self.max_nodes))
                 t1 = time.perf_counter()
                 n = len(tree)
                 mask = None
@@ -189,7 +194,8 @@ class ReferenceEngine:
                 root = verdict.bonus
                 t2 = time.perf_counter()
                 step_seconds = t2 - t1
-                self.cost.observe(n, step_seconds)
+                accepted = set(verdict.accepted)
+                self.budget.observe(n, step_seconds, tree.probs[:n], [i in accepted for i in range(n)])
                 steps.append(StepStats(n, len(verdict.accepted), t2 - t0, t1 - t0))
                 new = new[: max_new_tokens - len(tokens)]
                 for j, tok in enumerate(new):

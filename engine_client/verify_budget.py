@@ -1,87 +1,330 @@
-"""How many draft nodes a step should verify: the prefix of the tree that maximises tokens per second."""
+"""How many draft nodes a step should verify: the rule shared by the reference engine, the vLLM proposer and the
+service.
+
+A step that verifies ``n`` draft nodes takes ``t(n)`` seconds and emits ``1 + accepted`` tokens, so the budget that
+pays best is the ``n`` maximising ``(1 + sum of the first n nodes' acceptance probabilities) / t(n)``, and ``n = 0``
+(a plain step) wins whenever drafting does not pay. Three parts make that choice trustworthy on any machine:
+
+- ``StepCostCurve`` learns ``t(n)`` online as measured points, not as a line: on a GPU it is flat for dozens of
+  nodes, on a CPU without native bfloat16 each node costs a third of a plain step.
+- ``AcceptanceCalibration`` maps the drafter's estimates to the acceptance rates actually seen, so an overconfident
+  source cannot talk the engine into steps that lose.
+- ``VerifyBudget`` combines them, explores cheaply (sizes grow by at most doubling past the largest one measured,
+  and a one-node probe now and then keeps the calibration learning while drafting is off) and applies the rule to
+  one tree (``choose``) or to a whole batch of chains (``choose_batch``).
+"""
 
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepCostModel", "best_prefix"]
+__all__ = ["AcceptanceCalibration", "StepCostCurve", "VerifyBudget", "best_prefix"]
+
+#: Node counts whose step times the curve keeps apart (a step of n nodes falls in the last point <= n).
+GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
-class StepCostModel:
-    """Verification time as a line in the number of draft nodes: ``t(n) = base + per_node * n``.
+class StepCostCurve:
+    """``t(n)``: seconds of a verification step with ``n`` draft nodes, learned from the steps an engine ran.
 
-    Fitted by least squares over recent steps, with decaying weights so it follows the cache growing and the
-    machine's load; until steps of different sizes have been seen, ``prior_ratio`` (t(32) / t(0)) sets the slope.
+    Steps fall into buckets by size (``GRID``); each bucket keeps a decaying mean of its steps' sizes and times, so
+    it follows the cache growing and the machine's load. ``seconds(n)`` interpolates between the buckets' points
+    (kept non-decreasing); past the largest one it is flat (see ``seconds``).
     """
 
-    def __init__(self, prior_ratio: float = 1.5, decay: float = 0.98) -> None:
-        self.prior_ratio = float(prior_ratio)
+    def __init__(self, decay: float = 0.9) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.decay = float(decay)
-        self._w = self._sn = self._st = self._snn = self._snt = 0.0  # weighted sums of 1, n, t, n^2, n*t
+        self._w = [0.0] * len(GRID)  # per bucket: decayed weight, sum of sizes, sum of seconds
+        self._sn = [0.0] * len(GRID)
+        self._st = [0.0] * len(GRID)
+        self._points: list[tuple[float, float]] | None = []
 
-    def observe(self, nodes: int, seconds: float) -> None:
+    @classmethod
+    def from_points(cls, nodes: Sequence[float], seconds: Sequence[float]) -> StepCostCurve:
+        """A curve through given ``(nodes, seconds)`` points, as an engine sends them with a Draft request."""
+        if len(nodes) != len(seconds):
+            raise ValueError(f"{len(nodes)} node counts but {len(seconds)} step times")
+        curve = cls()
+        for n, t in zip(nodes, seconds, strict=True):
+            if not (n >= 0 and t > 0):
+                raise ValueError(f"a cost point needs nodes >= 0 and seconds > 0; got ({n}, {t})")
+            curve.observe(n, t)
+        return curve
+
+    def observe(self, nodes: float, seconds: float) -> None:
         """Record one verification step of ``nodes`` draft nodes that took ``seconds``."""
+        if seconds <= 0.0 or nodes < 0:
+            return
+        i = bisect.bisect_right(GRID, nodes) - 1
         d = self.decay
-        n = float(nodes)
-        self._w = d * self._w + 1.0
-        self._sn = d * self._sn + n
-        self._st = d * self._st + seconds
-        self._snn = d * self._snn + n * n
-        self._snt = d * self._snt + n * seconds
+        self._w[i] = d * self._w[i] + 1.0
+        self._sn[i] = d * self._sn[i] + float(nodes)
+        self._st[i] = d * self._st[i] + float(seconds)
+        self._points = None
 
-    def line(self) -> tuple[float, float]:
-        """(base seconds, seconds per node); (0, 0) before any step."""
-        if self._w == 0.0:
-            return 0.0, 0.0
-        mean_n, mean_t = self._sn / self._w, self._st / self._w
-        var_n = self._snn / self._w - mean_n * mean_n
-        if var_n < 4.0:  # sizes barely varied: the prior's line through the mean
-            slope = (self.prior_ratio - 1.0) / 32.0  # per node, as a share of the base
-            per_node = mean_t / (1.0 + slope * mean_n) * slope
-        else:
-            per_node = (self._snt / self._w - mean_n * mean_t) / var_n
-        per_node = max(per_node, 0.0)
-        base = max(mean_t - per_node * mean_n, 1e-9)
-        return base, per_node
+    def points(self) -> list[tuple[float, float]]:
+        """The measured ``(mean nodes, mean seconds)`` of every bucket seen, by size, times made non-decreasing."""
+        if self._points is None:
+            pts: list[tuple[float, float]] = []
+            for w, sn, st in zip(self._w, self._sn, self._st, strict=True):
+                if w > 0.0:
+                    t = st / w
+                    pts.append((sn / w, max(t, pts[-1][1]) if pts else t))
+            self._points = pts
+        return self._points
+
+    @property
+    def measured(self) -> bool:
+        """Whether any step has been seen."""
+        return bool(self.points())
+
+    def largest_measured(self) -> float:
+        """The largest size (mean nodes of the top bucket) seen; -1 before any step."""
+        pts = self.points()
+        return pts[-1][0] if pts else -1.0
+
+    def seconds(self, nodes: float) -> float:
+        """Estimated seconds of a step with ``nodes`` draft nodes; 0 before any step.
+
+        Past the largest size measured the estimate stays at that size's time: optimistic, so a larger size is
+        tried when the drafts promise enough to pay for it even then, and its real time is measured once.
+        """
+        pts = self.points()
+        if not pts:
+            return 0.0
+        if nodes >= pts[-1][0]:
+            return pts[-1][1]
+        if len(pts) == 1 or nodes <= pts[0][0]:
+            if len(pts) == 1:
+                return pts[0][1]
+            (n0, t0), (n1, t1) = pts[0], pts[1]
+            return max(t0 - (t1 - t0) / (n1 - n0) * (n0 - nodes), 0.5 * t0) if n1 > n0 else t0
+        i = bisect.bisect_left([p[0] for p in pts], nodes)
+        (n0, t0), (n1, t1) = pts[i - 1], pts[i]
+        return t0 + (t1 - t0) * (nodes - n0) / (n1 - n0) if n1 > n0 else t1
 
     def plain_seconds(self) -> float:
-        """Seconds of a plain decode step (one token, no draft node): ``t(0)``, the fitted line's base.
-
-        0 until the steps seen pin it down: steps of varied sizes (a real fit), or steps averaging under one
-        draft node (then t(0) is about their mean time). Before that the slope, and so t(0), would come
-        mostly from ``prior_ratio``, which is a guess, not a measurement.
-        """
-        if self._w == 0.0:
-            return 0.0
-        mean_n = self._sn / self._w
-        if self._snn / self._w - mean_n * mean_n < 4.0 and mean_n >= 1.0:
-            return 0.0
-        return self.line()[0]
+        """``t(0)``: seconds of a plain decode step, estimated; 0 before any step."""
+        return self.seconds(0)
 
 
-def best_prefix(probs: Sequence[float], base: float, per_node: float, min_nodes: int = 0) -> int:
-    """Nodes to keep so that (1 + expected accepted) / step time is highest.
+def best_prefix(probs: Sequence[float], curve: StepCostCurve, min_nodes: int = 0, max_nodes: int | None = None) -> int:
+    """Nodes to keep so that (1 + expected accepted) / step time is highest (0: a plain step pays best).
 
     Args:
-        probs: (n,) estimated probability that each node is accepted, in tree order (best first).
-        base: seconds of a step without draft nodes.
-        per_node: extra seconds per draft node.
+        probs: (n,) probability that each node is accepted, in tree order (best first; a prefix is a valid tree).
+        curve: the step's time against nodes verified; before any measurement every node is kept.
         min_nodes: keep at least this many (when the tree has them).
+        max_nodes: consider at most this many.
 
     Returns:
         how many leading nodes to verify (``DraftTree.prefix`` keeps a valid tree).
     """
-    if base <= 0.0:
-        return len(probs)
-    best_n = min(min_nodes, len(probs))
+    limit = len(probs) if max_nodes is None else max(0, min(len(probs), max_nodes))
+    if not curve.measured:
+        return limit
+    best_n = min(min_nodes, limit)
     expected = 1.0 + float(sum(probs[:best_n]))
-    best_rate = expected / (base + per_node * best_n)
-    for i in range(best_n + 1, len(probs) + 1):
+    best_rate = expected / curve.seconds(best_n)
+    for i in range(best_n + 1, limit + 1):
         expected += float(probs[i - 1])
-        rate = expected / (base + per_node * i)
+        rate = expected / curve.seconds(i)
         if rate > best_rate:
             best_n, best_rate = i, rate
     return best_n
+
+
+class AcceptanceCalibration:
+    """The acceptance rate actually seen for drafts estimated at each probability.
+
+    Estimates fall into bins by ``-ln p`` (``bin_width`` wide); each bin keeps decaying counts of verified nodes
+    and accepted ones. A power law ``p ** gamma`` fitted to all bins at once (the total it predicts for the nodes
+    seen equals the total accepted) maps an estimate where its bin has little evidence, so a source that is over-
+    or underconfident at the depths verified is corrected at the depths not verified yet; ``prior`` pseudo-nodes
+    at that value weigh against the bin's own counts.
+    """
+
+    def __init__(self, bin_width: float = 0.1, bins: int = 48, prior: float = 4.0, decay: float = 0.995) -> None:
+        if bin_width <= 0.0 or bins < 1 or prior <= 0.0 or not 0.0 < decay <= 1.0:
+            raise ValueError(f"need bin_width > 0, bins >= 1, prior > 0, decay in (0, 1]; got {bin_width}, {bins}, "
+                             f"{prior}, {decay}")
+        self.bin_width, self.bins, self.prior, self.decay = float(bin_width), bins, float(prior), float(decay)
+        self._seen = [0.0] * bins
+        self._accepted = [0.0] * bins
+        self._log_p = [0.0] * bins  # decayed sum of ln(estimate) of the nodes seen in each bin
+        self._gamma: float | None = 1.0
+
+    def _bin(self, p: float) -> int:
+        if p <= 0.0:
+            return self.bins - 1
+        return min(self.bins - 1, max(0, int(-math.log(min(p, 1.0)) / self.bin_width)))
+
+    def observe(self, probs: Sequence[float], accepted: Sequence[bool]) -> None:
+        """Record verified nodes: each one's estimate and whether the target accepted it."""
+        if not len(probs):
+            return
+        d = self.decay
+        for b in range(self.bins):
+            self._seen[b] *= d
+            self._accepted[b] *= d
+            self._log_p[b] *= d
+        for p, ok in zip(probs, accepted, strict=True):
+            b = self._bin(float(p))
+            self._seen[b] += 1.0
+            self._accepted[b] += 1.0 if ok else 0.0
+            self._log_p[b] += math.log(max(float(p), 1e-9))
+        self._gamma = None
+
+    @property
+    def gamma(self) -> float:
+        """The exponent of the power law fitted to every bin (1: the estimates stand)."""
+        if self._gamma is None:
+            self._gamma = self._fit_gamma()
+        return self._gamma
+
+    def _fit_gamma(self) -> float:
+        seen = sum(self._seen)
+        if seen < 8.0:
+            return 1.0
+        accepted = sum(self._accepted)
+        means = [(n, lp / n) for n, lp in zip(self._seen, self._log_p, strict=True) if n > 1e-9]
+        lo, hi = 0.02, 30.0  # predicted(gamma) falls as gamma grows (every ln p <= 0)
+        for _ in range(40):
+            mid = math.sqrt(lo * hi)
+            if sum(n * math.exp(mid * m) for n, m in means) > accepted:
+                lo = mid
+            else:
+                hi = mid
+        return math.sqrt(lo * hi)
+
+    def __call__(self, p: float) -> float:
+        """The calibrated probability for estimate ``p``."""
+        p = min(max(float(p), 0.0), 1.0)
+        b = self._bin(p)
+        fitted = p ** self.gamma
+        return (self._accepted[b] + self.prior * fitted) / (self._seen[b] + self.prior)
+
+    def calibrate(self, probs: Sequence[float]) -> list[float]:
+        """Calibrated probabilities of a tree's nodes, each mapped on its own."""
+        return [self(p) for p in probs]
+
+    def calibrate_chain(self, probs: Sequence[float]) -> list[float]:
+        """Calibrated probabilities of a chain's tokens, kept non-increasing along it (a token is accepted only
+        after every token before it)."""
+        out: list[float] = []
+        for p in probs:
+            q = self(p)
+            out.append(min(q, out[-1]) if out else q)
+        return out
+
+
+class VerifyBudget:
+    """How many nodes each step verifies: the cost curve, the calibration and cheap exploration, in one place.
+
+    Args:
+        curve: step time against nodes (a new one learns from ``observe``).
+        calibration: maps estimates to observed acceptance (a new one learns from ``observe``).
+        probe_every: after this many steps in a row that verified nothing though a draft was offered, verify the
+            draft's best node once, so the calibration keeps learning whether drafts became worth it; each probe
+            that is not accepted doubles the wait (up to ``max_probe_every``), an accepted one resets it.
+        growth: a step verifies at most ``growth`` times the largest size measured (plus 2), so the curve is
+            explored from cheap sizes upwards instead of paying for an unmeasured huge step.
+        min_nodes: verify at least this many nodes (0 lets drafting switch off).
+    """
+
+    def __init__(self, curve: StepCostCurve | None = None, calibration: AcceptanceCalibration | None = None,
+                 probe_every: int = 16, growth: float = 2.0, min_nodes: int = 0, max_probe_every: int = 256) -> None:
+        if probe_every < 1 or growth < 1.0 or min_nodes < 0 or max_probe_every < probe_every:
+            raise ValueError(f"need probe_every >= 1, growth >= 1, min_nodes >= 0; got {probe_every}, {growth}, "
+                             f"{min_nodes}")
+        self.curve = curve if curve is not None else StepCostCurve()
+        self.calibration = calibration if calibration is not None else AcceptanceCalibration()
+        self.probe_every, self.growth, self.min_nodes = probe_every, float(growth), min_nodes
+        self.max_probe_every = max_probe_every
+        self._idle = 0  # steps in a row that verified nothing though a draft was offered
+        self._wait = probe_every  # idle steps before the next probe
+        self._probing = False  # the last choice was a probe
+
+    def explore_limit(self) -> int:
+        """The most nodes a step may verify now (sizes grow from the largest measured one)."""
+        largest = self.curve.largest_measured()
+        return 2 if largest < 0 else int(self.growth * largest) + 2
+
+    def choose(self, probs: Sequence[float], limit: int | None = None) -> int:
+        """How many leading nodes of a best-first tree with estimates ``probs`` to verify.
+
+        Args:
+            probs: (n,) the drafter's acceptance estimates, in tree order.
+            limit: verify at most this many (the engine's own cap).
+        """
+        cap = min(len(probs), self.explore_limit() if limit is None else min(limit, self.explore_limit()))
+        if not self.curve.measured:
+            return min(cap, self.min_nodes)  # the first step measures t(0) (or the minimum asked for)
+        n = best_prefix(self.calibration.calibrate(probs[:cap]), self.curve, self.min_nodes, cap)
+        self._probing = False
+        if n == 0 and cap > 0:
+            self._idle += 1
+            if self._idle >= self._wait:
+                self._idle, self._probing = 0, True
+                return 1
+        elif n:
+            self._idle, self._wait = 0, self.probe_every
+        return n
+
+    def choose_batch(self, chains: Sequence[Sequence[float]], limit: int) -> list[int]:
+        """How many tokens of each request's chain one batched step verifies.
+
+        The step's time is the curve at the total number of draft tokens; tokens are taken best first across
+        requests (each chain's estimates are non-increasing, so a request's tokens come in order) while the batch's
+        expected tokens per second grows.
+
+        Args:
+            chains: per request, (k_i,) acceptance estimates of its chain's tokens in order.
+            limit: most tokens per request.
+
+        Returns:
+            per request, how many leading tokens to verify.
+        """
+        taken = [0] * len(chains)
+        if not self.curve.measured:
+            return [min(len(c), limit, self.min_nodes) for c in chains]
+        cap = self.explore_limit()
+        candidates = sorted(((p, r, j) for r, c in enumerate(chains)
+                             for j, p in enumerate(self.calibration.calibrate_chain(c[:limit]))),
+                            key=lambda x: (-x[0], x[1], x[2]))
+        expected, total = float(len(chains)), 0
+        best_rate = expected / self.curve.seconds(0)
+        best_total = 0
+        order: list[int] = []
+        for p, r, j in candidates:
+            if j != taken[r] or total >= cap:  # a chain's tokens only in order
+                continue
+            taken[r] += 1
+            order.append(r)
+            total += 1
+            expected += p
+            rate = expected / self.curve.seconds(total)
+            if rate > best_rate:
+                best_rate, best_total = rate, total
+        out = [0] * len(chains)
+        for r in order[:best_total]:
+            out[r] += 1
+        return out
+
+    def observe(self, nodes: int, seconds: float, probs: Sequence[float] = (),
+                accepted: Sequence[bool] = ()) -> None:
+        """Record one verification step: ``nodes`` verified in ``seconds``; with ``probs`` and ``accepted`` (one
+        per verified node: the drafter's estimate and whether it was accepted) the calibration learns too."""
+        self.curve.observe(nodes, seconds)
+        if len(probs):
+            self.calibration.observe(probs, accepted)
+        if self._probing:
+            self._wait = self.probe_every if any(accepted) else min(2 * self._wait, self.max_probe_every)
+            self._probing = False

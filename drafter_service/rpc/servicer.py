@@ -115,7 +115,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def Draft(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftResponse:
         tree, confirmed = self.service.draft(request.session_id, request.accepted, request.max_nodes,
                                              request.report_only, request.step_seconds, request.plain_step_seconds,
-                                             caller=self._caller(context))
+                                             caller=self._caller(context), cost_nodes=request.cost_nodes,
+                                             cost_seconds=request.cost_seconds)
         return tree_message(tree, confirmed)
 
     def DraftStream(self, requests: Iterator[pb.DraftRequest], context: grpc.ServicerContext
@@ -124,7 +125,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         for request in requests:
             tree, confirmed = draft(request.session_id, request.accepted, request.max_nodes,
                                     request.report_only, request.step_seconds, request.plain_step_seconds,
-                                    caller=caller)
+                                    caller=caller, cost_nodes=request.cost_nodes, cost_seconds=request.cost_seconds)
             yield tree_message(tree, confirmed)
 
     def DraftBatch(self, request: pb.DraftBatchRequest, context: grpc.ServicerContext) -> pb.DraftBatchResponse:

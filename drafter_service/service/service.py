@@ -20,6 +20,7 @@ from drafter_service.service.auth import TRUSTED, Authorizer, Caller
 from drafter_service.service.batch import BatchEnd, BatchOutcome, BatchStart, BatchStep
 from drafter_service.service.config import ServiceConfig
 from drafter_service.service.session_routes import SessionRoutes
+from engine_client.verify_budget import StepCostCurve, best_prefix
 from store.persistence import RedisPersistence
 
 if TYPE_CHECKING:
@@ -155,17 +156,39 @@ class DrafterService:
 
     def draft(self, session_id: str, accepted: TokenIds, max_nodes: int = 0, report_only: bool = False,
               step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
-              caller: Caller | None = None) -> tuple[DraftTree, int]:
+              caller: Caller | None = None, cost_nodes: Sequence[float] = (),
+              cost_seconds: Sequence[float] = ()) -> tuple[DraftTree, int]:
         """Correct the session with ``accepted`` and draft the next tree (none when ``report_only``).
 
         Everything is validated here, once; the layers below trust their arguments.
 
         ``step_seconds`` and ``plain_step_seconds`` are the engine's reported step times (0: not reported), each
-        in [0, 3600]; they only feed the statistics.
+        in [0, 3600]; they only feed the statistics. ``cost_nodes`` and ``cost_seconds`` are the engine's step
+        time against draft nodes (points of its curve); given, the tree is cut to the prefix that maximises
+        expected tokens per second by the namespace's acceptance estimates (``best_prefix``); when drafting does
+        not pay, only the best node is left, which the engine verifies now and then to see whether it pays again.
         """
         self._check_step_times(step_seconds, plain_step_seconds)
-        return self._draft_step(session_id, accepted, max_nodes, report_only, step_seconds, plain_step_seconds,
-                                caller or TRUSTED)
+        curve = self._cost_curve(cost_nodes, cost_seconds)
+        tree, confirmed = self._draft_step(session_id, accepted, max_nodes, report_only, step_seconds,
+                                           plain_step_seconds, caller or TRUSTED)
+        if curve is not None and len(tree):  # the best node stays, for the engine to probe with when it chooses
+            tree = tree.prefix(max(1, best_prefix(tree.probs, curve)))
+        return tree, confirmed
+
+    @staticmethod
+    def _cost_curve(nodes: Sequence[float], seconds: Sequence[float]) -> StepCostCurve | None:
+        """The engine's cost curve from a request's points; None when it gave none."""
+        if not len(nodes) and not len(seconds):
+            return None
+        if len(nodes) > 64:
+            raise InvalidArgument(f"at most 64 cost points, got {len(nodes)}")
+        if len(nodes) != len(seconds):
+            raise InvalidArgument(f"{len(nodes)} cost_nodes but {len(seconds)} cost_seconds")
+        for n, t in zip(nodes, seconds, strict=True):
+            if not (0.0 <= n <= 1e6 and 0.0 < t <= 3600.0):  # also refuses NaN
+                raise InvalidArgument(f"a cost point needs nodes in [0, 1e6] and seconds in (0, 3600]; got ({n}, {t})")
+        return StepCostCurve.from_points(nodes, seconds)
 
     def _draft_step(self, session_id: str, accepted: TokenIds, max_nodes: int, report_only: bool,
                     step_seconds: float, plain_step_seconds: float, caller: Caller) -> tuple[DraftTree, int]:

@@ -77,7 +77,7 @@ class OracleSource:
         self.pos, self.calls, self.ended, self.trees, self.plain = 0, [], None, [], []
         return "oracle"
 
-    def draft(self, session, accepted, max_nodes=0, step_seconds=0.0, plain_step_seconds=0.0):
+    def draft(self, session, accepted, max_nodes=0, step_seconds=0.0, plain_step_seconds=0.0, verify_cost=()):
         assert session == "oracle"
         self.calls.append((list(accepted), max_nodes, step_seconds))
         self.plain.append(plain_step_seconds)
@@ -250,16 +250,49 @@ def test_plain_step_seconds_report_the_cost_fit_at_each_call():
     source = OracleSource(truth, lambda up: chain(up[:len(up) % 7]))  # trees of 0 to 6 nodes
     engine = ReferenceEngine(model, source, device="cpu")
     given = []
-    plain_seconds = engine.cost.plain_seconds
+    curve = engine.budget.curve
+    plain_seconds = curve.plain_seconds
 
     def recorded():
         given.append(plain_seconds())
         return given[-1]
 
-    engine.cost.plain_seconds = recorded
+    curve.plain_seconds = recorded
     engine.generate(PROMPT, MAX_NEW)
     assert source.plain == given and given[0] == 0.0  # nothing measured before the first step
     assert any(p > 0 for p in given)
+
+
+def wrong_chain(up: list[int]) -> DraftTree:
+    """Eight confident nodes that are all wrong (the true next token plus one, and so on)."""
+    return chain([(t + 1) % VOCAB for t in up[:8]], [0.9] * len(up[:8]))
+
+
+def test_adaptive_engine_sends_its_cost_curve_and_stops_verifying_confident_wrong_drafts():
+    model, truth = model_and_truth("llama-sdpa")
+    costs = []
+
+    class Recording(OracleSource):
+        def draft(self, session, accepted, max_nodes=0, step_seconds=0.0, plain_step_seconds=0.0, verify_cost=()):
+            costs.append(list(verify_cost))
+            return super().draft(session, accepted, max_nodes, step_seconds, plain_step_seconds, verify_cost)
+
+    source = Recording(truth, wrong_chain)
+    engine = ReferenceEngine(model, source, device="cpu", adaptive=True)
+    result = engine.generate(PROMPT, 40)
+    assert result.tokens == truth[:40]
+    assert costs[0] == [] and costs[1] and costs[1][0][0] == 0.0  # the first step is plain and measures t(0)
+    assert all(s.accepted == 0 for s in result.steps)
+    late = result.steps[len(result.steps) // 2:]
+    assert sum(s.drafted for s in late) <= 2  # calibrated down: at most a probe node now and then
+
+
+def test_adaptive_engine_verifies_drafts_that_pay():
+    model, truth = model_and_truth("llama-sdpa")
+    engine = ReferenceEngine(model, OracleSource(truth, lambda up: chain(up[:8])), device="cpu", adaptive=True)
+    result = engine.generate(PROMPT, MAX_NEW)
+    assert result.tokens == truth[:MAX_NEW]
+    assert len(result.steps) < MAX_NEW // 2  # right drafts are taken: several tokens per step
 
 
 def test_protocol_and_device_defaults():

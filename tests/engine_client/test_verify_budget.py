@@ -1,58 +1,193 @@
-"""Choosing how many draft nodes to verify: the step-time fit and the best prefix."""
+"""Choosing how many draft nodes to verify: the learned cost curve, calibration, exploration, and the rule's
+outcome on simulated machines (flat like a GPU, steep like a CPU without native bfloat16)."""
+
+import random
 
 import pytest
 
-from engine_client.verify_budget import StepCostModel, best_prefix
+from engine_client.verify_budget import AcceptanceCalibration, StepCostCurve, VerifyBudget, best_prefix
 
 
-def test_fit_recovers_a_line_from_steps_of_varied_size():
-    model = StepCostModel(decay=1.0)
-    for n in [0, 8, 16, 32, 64, 4, 24]:
-        model.observe(n, 0.050 + 0.001 * n)
-    base, per_node = model.line()
-    assert base == pytest.approx(0.050, rel=1e-6) and per_node == pytest.approx(0.001, rel=1e-6)
+def piecewise(points):
+    """t(n) through (nodes, seconds) points, linear between them and past the last."""
+    def t(n):
+        for (n0, t0), (n1, t1) in zip(points, points[1:], strict=False):
+            if n <= n1:
+                return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+        (n0, t0), (n1, t1) = points[-2], points[-1]
+        return t1 + (t1 - t0) * (n - n1) / (n1 - n0)
+    return t
 
 
-def test_without_variety_the_prior_slope_runs_through_the_mean():
-    model = StepCostModel(prior_ratio=1.5)
-    assert model.line() == (0.0, 0.0)
-    for _ in range(5):
-        model.observe(32, 0.075)  # t(32) = 1.5 * base  =>  base 0.05, 0.5 * base / 32 per node
-    base, per_node = model.line()
-    assert base == pytest.approx(0.050) and per_node == pytest.approx(0.025 / 32)
+# Forward passes of SmolLM2-135M on a 256-token cache, 2 threads, by query tokens (1 + nodes), measured on a 2-core
+# AVX2-only CPU: bfloat16 is emulated there, so every node costs about a third of a plain step.
+CPU_BF16 = piecewise([(0, 0.087), (7, 0.276), (31, 0.962)])
+CPU_F32 = piecewise([(0, 0.095), (7, 0.176), (31, 0.362)])
+GPU_FLAT = piecewise([(0, 0.010), (64, 0.0105), (256, 0.014)])
 
 
-def test_plain_step_time_is_the_fitted_base_once_the_steps_pin_it_down():
-    model = StepCostModel(decay=1.0)
-    assert model.plain_seconds() == 0.0  # nothing seen
-    for _ in range(3):
-        model.observe(32, 0.075)
-    assert model.plain_seconds() == 0.0  # one size only: t(0) would come from the prior
-    for n in [0, 8, 16]:
-        model.observe(n, 0.050 + 0.001 * n)
-    # least squares over (32, .075) x3, (0, .050), (8, .058), (16, .066), by hand: t(0) = mean_t - slope * mean_n
-    ns, ts = [32, 32, 32, 0, 8, 16], [0.075] * 3 + [0.050, 0.058, 0.066]
-    mean_n, mean_t = sum(ns) / 6, sum(ts) / 6
-    slope = ((sum(n * t for n, t in zip(ns, ts, strict=True)) / 6 - mean_n * mean_t)
-             / (sum(n * n for n in ns) / 6 - mean_n ** 2))
-    assert model.plain_seconds() == pytest.approx(mean_t - slope * mean_n, rel=1e-9)
-    assert model.plain_seconds() == model.line()[0]
-    plain = StepCostModel(decay=1.0)
-    for t in (0.020, 0.022):
-        plain.observe(0, t)  # plain steps only: their mean
-    assert plain.plain_seconds() == pytest.approx(0.021)
+def test_curve_interpolates_measured_points_and_extrapolates_the_last_slope():
+    curve = StepCostCurve(decay=1.0)
+    assert not curve.measured and curve.seconds(8) == 0.0
+    for n in (0, 4, 8, 16):
+        curve.observe(n, CPU_F32(n))
+    assert curve.seconds(4) == pytest.approx(CPU_F32(4))
+    assert curve.seconds(6) == pytest.approx((CPU_F32(4) + CPU_F32(8)) / 2)
+    assert curve.seconds(32) == pytest.approx(CPU_F32(16))  # not measured: optimistic
+    assert curve.plain_seconds() == pytest.approx(CPU_F32(0))
 
 
-@pytest.mark.parametrize("probs, base, per_node, expected", [
-    ([0.9, 0.8, 0.7, 0.05, 0.01], 1.0, 0.1, 3),    # (1 + 2.4) / 1.3 beats every other prefix
-    ([0.9, 0.8, 0.7, 0.05, 0.01], 1.0, 0.0, 5),    # free nodes: keep them all
-    ([0.01, 0.01], 1.0, 0.1, 0),                   # not worth a node
-    ([0.01, 0.01], 0.0, 0.0, 2),                   # no fit yet: keep the tree
+def test_curve_follows_new_times_and_stays_non_decreasing():
+    curve = StepCostCurve(decay=0.5)
+    for _ in range(20):
+        curve.observe(0, 0.100)
+        curve.observe(8, 0.200)
+    for _ in range(20):
+        curve.observe(0, 0.050)  # the machine got faster for plain steps
+    assert curve.seconds(0) == pytest.approx(0.050, rel=1e-3)
+    curve.observe(16, 0.150)  # noise below a smaller size's time: kept non-decreasing
+    assert curve.seconds(16) >= curve.seconds(8)
+
+
+def test_past_the_largest_measured_size_the_estimate_is_optimistic():
+    curve = StepCostCurve()
+    curve.observe(0, 0.1)
+    assert curve.seconds(10) == pytest.approx(0.1)
+    curve.observe(4, 0.3)
+    assert curve.seconds(2) == pytest.approx(0.2) and curve.seconds(40) == pytest.approx(0.3)
+
+
+def test_curve_from_points_round_trips_and_refuses_bad_points():
+    curve = StepCostCurve(decay=1.0)
+    for n in (0, 1, 3, 9, 40):
+        curve.observe(n, CPU_BF16(n))
+    again = StepCostCurve.from_points(*zip(*curve.points(), strict=True))
+    assert [x for p in again.points() for x in p] == pytest.approx([x for p in curve.points() for x in p])
+    with pytest.raises(ValueError):
+        StepCostCurve.from_points([0, 1], [0.1])
+    with pytest.raises(ValueError):
+        StepCostCurve.from_points([0], [0.0])
+
+
+@pytest.mark.parametrize("probs, t, expected", [
+    ([0.9, 0.8, 0.7, 0.05, 0.01], lambda n: 1.0 + 0.1 * n, 3),   # (1 + 2.4) / 1.3 beats every other prefix
+    ([0.9, 0.8, 0.7, 0.05, 0.01], lambda n: 1.0, 5),             # free nodes: keep them all
+    ([0.01, 0.01], lambda n: 1.0 + 0.1 * n, 0),                  # not worth a node: a plain step
 ])
-def test_best_prefix_maximises_expected_tokens_per_second(probs, base, per_node, expected):
-    assert best_prefix(probs, base, per_node) == expected
+def test_best_prefix_maximises_expected_tokens_per_second(probs, t, expected):
+    curve = StepCostCurve(decay=1.0)
+    for n in range(8):
+        curve.observe(n, t(n))
+    assert best_prefix(probs, curve) == expected
 
 
-def test_best_prefix_keeps_the_minimum():
-    assert best_prefix([0.01, 0.01, 0.01], 1.0, 0.5, min_nodes=2) == 2
-    assert best_prefix([0.01], 1.0, 0.5, min_nodes=4) == 1
+def test_best_prefix_keeps_the_minimum_and_the_tree_before_any_measurement():
+    curve = StepCostCurve()
+    assert best_prefix([0.01, 0.01], curve) == 2
+    for n in range(4):
+        curve.observe(n, 1.0 + 0.5 * n)
+    assert best_prefix([0.01, 0.01, 0.01], curve, min_nodes=2) == 2
+    assert best_prefix([0.9, 0.9, 0.9], curve, max_nodes=1) <= 1
+
+
+def test_calibration_learns_that_a_source_is_overconfident():
+    cal = AcceptanceCalibration(prior=4.0, decay=1.0)
+    assert cal(0.85) == pytest.approx(0.85)  # no evidence: the estimate stands
+    rng = random.Random(0)
+    for _ in range(400):
+        cal.observe([0.85], [rng.random() < 0.3])
+    assert cal(0.85) == pytest.approx(0.3, abs=0.06)
+    assert cal(0.15) < 0.15  # other bins follow the power law fitted to the evidence
+    assert cal.gamma > 1.0
+    assert cal.calibrate_chain([0.85, 0.95]) == [cal(0.85), min(cal(0.95), cal(0.85))]
+
+
+def test_the_first_step_is_plain_and_sizes_grow_from_there():
+    budget = VerifyBudget()
+    sure = [0.99] * 64
+    assert budget.choose(sure) == 0  # measures t(0) first
+    budget.observe(0, 0.1)
+    assert budget.choose(sure) == 2  # the largest size seen is 0: at most 2 nodes
+    budget.observe(2, 0.1)
+    assert budget.choose(sure) == 6  # at most twice the largest seen, plus 2
+    budget.observe(6, 0.1)
+    assert budget.choose(sure, limit=10) == 10
+
+
+def test_a_probe_node_now_and_then_while_drafting_does_not_pay():
+    budget = VerifyBudget(probe_every=4, max_probe_every=8)
+    for n in range(4):
+        budget.observe(n, 0.1 * (1 + n))  # every node doubles the step: nothing at 0.3 pays
+    choices = []
+    for _ in range(24):
+        choices.append(budget.choose([0.3, 0.2]))
+        budget.observe(choices[-1], 0.1 * (1 + choices[-1]), [0.3][:choices[-1]], [False][:choices[-1]])
+    # the 4th step in a row without a node is a probe; it failed, so the next comes at the 8th, and so on (the cap)
+    assert [i for i, c in enumerate(choices) if c] == [3, 3 + 8, 3 + 16]
+
+
+def test_batch_takes_each_chain_in_order_and_only_what_pays():
+    steep = VerifyBudget()
+    for n in range(0, 40, 4):
+        steep.observe(n, CPU_BF16(n))
+    chains = [[0.95, 0.9, 0.5, 0.1], [0.3, 0.2], [0.99, 0.98, 0.97, 0.96]]
+    out = steep.choose_batch(chains, limit=4)
+    assert all(0 <= k <= len(c) for k, c in zip(out, chains, strict=True))
+    assert out[2] >= out[0] >= out[1] == 0  # the surest tokens first; a weak chain gets nothing
+    flat = VerifyBudget()
+    for n in range(0, 40, 4):
+        flat.observe(n, GPU_FLAT(n))
+    assert flat.choose_batch(chains, limit=3) == [3, 2, 3]  # nodes are free: every token up to the limit
+
+
+# -- the rule on simulated machines ----------------------------------------------------------------------------
+
+
+def simulate(t, true_q, est_q, choose, steps=1500, seed=0, depth=64):
+    """Tokens per second of an engine whose drafts are chains of ``depth`` nodes, each accepted with probability
+    ``true_q`` given its parent was, while the drafter estimates ``est_q``; ``choose(probs)`` gives the nodes to
+    verify, and gets told (nodes, seconds, probs, accepted) after each step through ``choose.observe``."""
+    rng = random.Random(seed)
+    probs = [est_q ** (d + 1) for d in range(depth)]
+    tokens = seconds = 0.0
+    for _ in range(steps):
+        n = choose(probs)
+        accepted = 0
+        while accepted < n and rng.random() < true_q:
+            accepted += 1
+        step = t(n) * rng.uniform(0.95, 1.05)
+        tokens += 1 + accepted
+        seconds += step
+        observe = getattr(choose, "observe", None)
+        if observe is not None:
+            observe(n, step, probs[:n], [i < accepted for i in range(n)])
+    return tokens / seconds
+
+
+class Policy:
+    def __init__(self):
+        self.budget = VerifyBudget()
+
+    def __call__(self, probs):
+        return self.budget.choose(probs)
+
+    def observe(self, n, step, probs, accepted):
+        self.budget.observe(n, step, probs, accepted)
+
+
+FIXED = (0, 1, 2, 4, 8, 16, 32, 64)
+
+
+@pytest.mark.parametrize("machine", [CPU_BF16, CPU_F32, GPU_FLAT], ids=["cpu-bf16", "cpu-f32", "gpu-flat"])
+@pytest.mark.parametrize("true_q, est_q", [
+    (0.0, 0.0),    # nothing ever matches (random tokens) and the drafter knows
+    (0.0, 0.8),    # nothing ever matches but the drafter is confident
+    (0.8, 0.8),    # repetitive workload, honest estimates
+    (0.5, 0.9),    # overconfident drafter
+    (0.9, 0.6),    # underconfident drafter
+])
+def test_never_slower_than_plain_and_close_to_the_best_fixed_budget(machine, true_q, est_q):
+    ours = simulate(machine, true_q, est_q, Policy())
+    fixed = {n: simulate(machine, true_q, est_q, lambda probs, n=n: min(n, len(probs))) for n in FIXED}
+    assert ours >= 0.97 * fixed[0]
+    assert ours >= 0.95 * max(fixed.values())
