@@ -17,6 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from drafter_service.bench.e2e_prompts import E2E_DATASETS, Prompt, load_prompts
+from drafter_service.bench.machine import machine
 from drafter_service.bench.serve_bench import ServiceProcess
 from drafter_service.datasets.cache import atomic_output, cache_dir
 from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
@@ -57,8 +58,12 @@ def add_e2e_bench(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--max-nodes", type=int, default=64, help="most draft nodes verified per step")
     p.add_argument("--fixed-budget", action="store_true",
                    help="always verify --max-nodes nodes (default: the prefix with the best expected tokens/s)")
+    p.add_argument("--fixed-budgets", default="",
+                   help="also run drafter at each of these fixed budgets (comma-separated node counts, e.g. "
+                   "0,1,2,4,8,16,32,64), each with a service of its own, as methods fixed-N")
     p.add_argument("--show", action="store_true", help="print each measured answer as drafter generated it")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="auto: whichever decodes a plain step faster on this machine")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)} (card*: drafter with the draft model, "
@@ -140,6 +145,24 @@ def _warm(dataset: str, prompts: list[Prompt], engine_run: Callable[[np.ndarray]
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def fixed_budgets(args: argparse.Namespace) -> list[int]:
+    """The node counts of ``--fixed-budgets``."""
+    try:
+        out = [int(x) for x in args.fixed_budgets.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--fixed-budgets takes comma-separated node counts, got {args.fixed_budgets!r}") from None
+    if any(n < 0 for n in out):
+        raise SystemExit("--fixed-budgets: node counts must be >= 0")
+    return sorted(set(out))
+
+
+def method_order(method: str) -> tuple[int, int]:
+    """Where a method runs among a prompt's methods (fixed-N after drafter's, by N)."""
+    if method.startswith("fixed-"):
+        return METHODS.index("drafter-repeat"), int(method[6:])
+    return METHODS.index(method), -1
+
+
 def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel, addresses: dict[str, str],
                  draft: PreTrainedModel | None = None) -> WorkloadResult:
     """Warm each method's service with a workload, then run every method on its measured prompts.
@@ -153,14 +176,16 @@ def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel,
     from engine_client.draft_source import NoDrafts
     from engine_client.engine import ReferenceEngine
 
-    methods = sorted((m.strip() for m in args.methods.split(",") if m.strip()), key=METHODS.index)
+    methods = sorted([m.strip() for m in args.methods.split(",") if m.strip()]
+                     + [f"fixed-{n}" for n in fixed_budgets(args)], key=method_order)
     warm = load_prompts(dataset, args.warm)
     measured = load_prompts(dataset, args.requests, skip=args.warm)
     result = WorkloadResult(dataset)
     clients = {m: DrafterClient(addr, max_nodes=args.max_nodes) for m, addr in addresses.items()}
     try:
         plain = ReferenceEngine(model, NoDrafts(), max_nodes=args.max_nodes)
-        engines = {m: ReferenceEngine(model, c, max_nodes=args.max_nodes, adaptive=not args.fixed_budget)
+        engines = {m: ReferenceEngine(model, c, max_nodes=int(m[6:]) if m.startswith("fixed-") else args.max_nodes,
+                                      adaptive=not (args.fixed_budget or m.startswith("fixed-")))
                    for m, c in clients.items()}
 
         def engine_run(engine: ReferenceEngine, prompt: np.ndarray) -> Run:
@@ -223,7 +248,8 @@ def format_result(res: WorkloadResult) -> str:
              f"  {'method':<11} {'tok/s (all)':>11} {'tok/s p50':>10} {'MAT':>6} {'vs greedy':>10} {'vs hf-pld':>10}"
              f" {'vs assist':>10}"]
     base, pld, assist = res.of("greedy"), res.of("hf-pld"), res.of("hf-assist")
-    for method in METHODS:
+    ordered = sorted({r.method for r in res.runs}, key=method_order)
+    for method in ordered:
         runs = res.of(method)
         if not runs:
             continue
@@ -236,6 +262,11 @@ def format_result(res: WorkloadResult) -> str:
         lines.append(f"  {method:<11} {total:>11.1f} {p50:>10.1f} {mat:>6} {vs_g:>10} {vs_p:>10} {vs_a:>10}")
     for method, rate in res.cache_hits.items():
         lines.append(f"  {method}: draft model cache hit rate {100 * rate:.1f}% of steps with its drafts")
+    fixed = [m for m in ordered if m.startswith("fixed-")]
+    if fixed and res.of("drafter") and base:
+        best = max(fixed, key=lambda m: _median_ratio(res.of(m), base))
+        lines.append(f"  best fixed budget: {best} ({_median_ratio(res.of(best), base):.2f}x greedy); drafter vs it: "
+                     f"{_median_ratio(res.of('drafter'), res.of(best)):.2f}x (median of per-prompt ratios)")
     if base and res.of("drafter"):
         same = sum(a.tokens == b.tokens for a, b in zip(base, res.of("drafter"), strict=True))
         d = res.of("drafter")
@@ -271,6 +302,7 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     """Entry point of ``drafter bench e2e``."""
     import torch
 
+    from drafter_service.bench.step_costs import fastest_dtype, format_curve, measure_step_curve
     from drafter_service.datasets.target_model import load_smollm2
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -279,9 +311,17 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown methods {sorted(unknown)}; choose among {', '.join(METHODS)}")
     if "drafter-repeat" in methods and "drafter" not in methods:
         raise SystemExit("drafter-repeat repeats drafter's requests: list drafter too")
+    fixed_budgets(args)  # a bad list fails before the model loads
     torch.set_num_threads(args.threads)
+    print(f"machine: {machine()}", flush=True)
+    if args.dtype == "auto":
+        dtype, plain = fastest_dtype(load_smollm2)
+        args.dtype = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        print("plain decode step: " + ", ".join(f"{str(d).removeprefix('torch.')} {1e3 * t:.1f} ms"
+                                                 for d, t in plain.items()) + f"; using {args.dtype}", flush=True)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     model = load_smollm2(dtype)
+    print(f"{args.dtype} {format_curve(measure_step_curve(model))} (256-token cache, median of 3)", flush=True)
     device = str(model.device)
     draft_folder = _draft_folder(args) if set(methods) & set(MODEL_METHODS) else None
     draft = None
@@ -294,7 +334,7 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     print(f"SmolLM2-135M-Instruct, {args.dtype}, {device}, {torch.get_num_threads()} threads, "
           f"max_new_tokens={args.max_new_tokens}, max_nodes={args.max_nodes}"
           + (f", draft model {draft_folder}" if draft_folder else ""), flush=True)
-    served = [m for m in methods if m in SERVICE_METHODS]
+    served = [m for m in methods if m in SERVICE_METHODS] + [f"fixed-{n}" for n in fixed_budgets(args)]
     results = []
     for dataset in args.dataset or ["gsm8k"]:
         with tempfile.TemporaryDirectory(prefix="drafter-e2e-") as tmp:
@@ -307,7 +347,8 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
                         continue
                     # a fresh service per workload: what it knows comes from that workload only
                     service = ServiceProcess(Path(tmp) / method, capacity=1 << 22,
-                                             extra_args=_service_args(SERVICE_METHODS[method], args, draft_folder))
+                                             extra_args=_service_args(SERVICE_METHODS.get(method, ()), args,
+                                                                      draft_folder))
                     services.append(service)
                     service.start()
                     addresses[method] = service.address
@@ -318,6 +359,6 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
         results.append(res)
         print(format_result(res), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps([{"dataset": r.dataset, "reuse": r.reuse, "cache_hits": r.cache_hits,
+        Path(args.json).write_text(json.dumps([{"dataset": r.dataset, "machine": machine(), "dtype": args.dtype, "reuse": r.reuse, "cache_hits": r.cache_hits,
                                                 "runs": [asdict(x) for x in r.runs]} for r in results]))
     return 0

@@ -1,4 +1,5 @@
-"""Prompts for the end-to-end benchmark: GSM8K, HumanEval and ShareGPT questions in SmolLM2's chat format."""
+"""Prompts for the end-to-end benchmark: GSM8K, HumanEval and ShareGPT questions in SmolLM2's chat format, and
+random-token prompts (a workload with no repetition to find)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ from drafter_service.datasets.target_model import chat_prompt
 from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
 
 #: Workloads :func:`load_prompts` knows.
-E2E_DATASETS = ("gsm8k", "humaneval", "sharegpt")
+E2E_DATASETS = ("gsm8k", "humaneval", "sharegpt", "random")
+
+#: Tokens in a random-token prompt, and the ids they are drawn from (SmolLM2's vocabulary, special tokens excluded).
+RANDOM_PROMPT_TOKENS = 64
+RANDOM_TOKEN_IDS = (17, 49152)
 
 #: ShareGPT questions longer than this (in tokens) are skipped: the benchmark measures decoding, not prefill.
 MAX_QUESTION_TOKENS = 384
@@ -73,6 +78,10 @@ def load_prompts(name: str, count: int, skip: int = 0) -> list[Prompt]:
     Raises:
         ValueError: for an unknown workload.
     """
+    if name == "random":  # prompt i is the same on every run: seeded by its index
+        return [Prompt(f"random-{i:04d}", np.random.default_rng(i).integers(*RANDOM_TOKEN_IDS, RANDOM_PROMPT_TOKENS,
+                                                                            dtype=np.int32))
+                for i in range(skip, skip + count)]
     if name not in _SOURCES:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(E2E_DATASETS)}")
     tokenizer = load_smollm2_tokenizer()

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -19,6 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 from drafter_service.bench.e2e_prompts import E2E_DATASETS, load_prompts
+from drafter_service.bench.machine import machine
 from drafter_service.bench.serve_bench import ServiceProcess
 from drafter_service.bench.vllm_process import Generation, VllmEngineProcess, vllm_python, wait_for
 from drafter_service.datasets.target_model import smollm2_checkpoint
@@ -76,22 +75,6 @@ def _proposer_figures(path: Path) -> dict:
         return dict(json.loads(path.read_text()))
     except (OSError, ValueError):
         return {}
-
-
-def machine() -> str:
-    """CPU model and its vector extensions (the figures depend on them)."""
-    model, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    vector = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{model} ({os.cpu_count()} cores; {', '.join(vector) or 'no AVX2'})"
 
 
 def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[str, tuple[list, list]],
@@ -178,7 +161,7 @@ def run_vllm_bench(args: argparse.Namespace) -> int:
     model = str(smollm2_checkpoint())
     prompts = {d: ([p.token_ids.tolist() for p in load_prompts(d, args.warm)],
                    [p.token_ids.tolist() for p in load_prompts(d, args.requests, skip=args.warm)])
-               for d in args.dataset or list(E2E_DATASETS)}
+               for d in args.dataset or [d for d in E2E_DATASETS if d != "random"]}
     log = open(args.engine_log, "a") if args.engine_log else None  # noqa: SIM115 (closed below)
     runs: list[MethodRun] = []
     reference: dict[str, list[list[int]]] | None = None
