@@ -84,6 +84,10 @@ class ProposerSettings:
                              f"[0, 1]; got {settings.timeout}, {settings.max_nodes}, {settings.min_prob}")
         return settings
 
+    def tree_nodes(self, k: int) -> int:
+        """Nodes of the tree asked for per request when the engine verifies chains of at most ``k`` tokens."""
+        return self.max_nodes or max(16, 2 * k)
+
 
 @dataclass
 class _Request:
@@ -272,7 +276,7 @@ class DrafterProposer:
         s = self.settings
         try:
             client = DrafterClient(s.address, s.namespace, timeout=s.timeout, reuse=False,
-                                   max_nodes=s.max_nodes or max(16, 2 * self.k), security=s.security)
+                                   max_nodes=s.tree_nodes(self.k), security=s.security)
         except Exception:
             logger.exception("drafter: could not set up a client for %s; no drafts", s.address)
             return

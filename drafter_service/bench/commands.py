@@ -8,7 +8,7 @@ import logging
 import pathlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -16,9 +16,10 @@ from tqdm import tqdm
 from drafter_service.bench.batch_bench import add_batch_bench
 from drafter_service.bench.corpus_bench import add_corpus_bench
 from drafter_service.bench.e2e import add_e2e_bench
+from drafter_service.bench.oracle import RetrievalOracle, SeenPrefixes
 from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
 from drafter_service.bench.protocol import ReplayDrafter
-from drafter_service.bench.replay import CoreDrafter, ReplayResult, replay
+from drafter_service.bench.replay import CoreDrafter, Mode, ReplayResult, replay
 from drafter_service.bench.replicas_bench import add_replicas_bench
 from drafter_service.bench.serve_bench import add_serve_bench
 from drafter_service.bench.soak import add_soak_bench
@@ -43,7 +44,12 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
                     help="a built-in data set, tokenized with SmolLM2's tokenizer (repeatable)")
     rp.add_argument("--limit", type=int, default=None, help="requests per data set (default: each set's own)")
     rp.add_argument("--skip", type=int, default=0, help="requests skipped first in each data set")
-    rp.add_argument("--budget", type=int, action="append", default=[], help="tree budget in nodes (repeatable)")
+    rp.add_argument("--budget", type=int, action="append", default=[], help="tree budget in nodes (repeatable; "
+                    "default 32 unless --chain is given)")
+    rp.add_argument("--chain", type=int, action="append", default=[], metavar="K",
+                    help="chain mode: each step every drafter proposes one path of at most K tokens, as vLLM "
+                    "verifies (repeatable, with or without --budget)")
+    rp.add_argument("--no-oracle", action="store_true", help="leave out the retrieval oracle's rows")
     rp.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated peers among {', '.join(PEERS)}")
     rp.add_argument("--json", help="also write the results as JSON to this file")
     rp.add_argument("--repeat", action="store_true", help="then replay every request a second time (same prompts, "
@@ -106,19 +112,41 @@ def _datasets(args: argparse.Namespace) -> list[tuple[str, list[Request]]]:
     return sets
 
 
+def _chain_peer(name: str) -> ReplayDrafter | None:
+    """A peer in chain mode: ArcticInference as vLLM's ``suffix`` method runs it, the others as in tree mode."""
+    if name in ("arctic", "arctic-f4") and arctic_available():
+        return ArcticSuffixDrafter.vllm_suffix(max_spec_factor=4.0 if name == "arctic-f4" else 1.0)
+    return _make_peer(name)
+
+
+def _oracles(reqs: Sequence[Request], passes: int, warm: Sequence[Request] | None,
+             max_len: int) -> list[tuple[SeenPrefixes, int, str]]:
+    """The retrieval oracle's lengths over the replay (``passes`` times ``reqs``), and over the warm corpus then the
+    replay when there is one: (lengths, requests of history to skip, row name)."""
+    out = [(SeenPrefixes.of(list(reqs) * passes, max_len), 0, "oracle")]
+    if warm is not None:
+        out.append((SeenPrefixes.of(list(warm) + list(reqs) * passes, max_len), len(warm), "oracle+warm"))
+    return out
+
+
 def run_replay(args: argparse.Namespace) -> int:
-    """Replay each data set through drafter and every peer at every budget; print one table."""
-    budgets = args.budget or [32]
-    if any(b < 1 for b in budgets):
-        raise SystemExit("--budget must be at least 1")
+    """Replay each data set through drafter, every peer and the retrieval oracle at every budget and chain length;
+    print one table."""
+    rows: list[tuple[Mode, int]] = [("tree", b) for b in args.budget] + [("chain", k) for k in args.chain]
+    rows = rows or [("tree", 32)]
+    if any(n < 1 for _, n in rows):
+        raise SystemExit("--budget and --chain must be at least 1")
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     frozen = {args.frozen_corpus: _frozen_table(args)} if args.frozen_corpus else {}
     for path in args.frozen_file:
         frozen[pathlib.Path(path).stem] = _frozen_file(path)
     warm = _corpus(args.warm_corpus, args.warm_skip, args.warm_limit) if args.warm_corpus else None
+    passes = 2 if args.repeat else 1
     results: list[ReplayResult] = []
     for name, reqs in _datasets(args):
-        for budget in budgets:
+        oracles = [] if args.no_oracle else _oracles(reqs, passes, warm, max(n for _, n in rows))
+        for mode, budget in rows:
+            make_peer = _chain_peer if mode == "chain" else _make_peer
             drafters: list[ReplayDrafter] = [CoreDrafter()]
             if frozen:
                 with_frozen = CoreDrafter(name="drafter+frozen")
@@ -127,14 +155,16 @@ def run_replay(args: argparse.Namespace) -> int:
                 drafters.append(with_frozen)
             if args.draft_model:
                 drafters += _card_drafters(args, reqs)
-            drafters += [d for d in map(_make_peer, peers) if d is not None]
+            drafters += [d for d in map(make_peer, peers) if d is not None]
             if warm is not None:
-                drafters += _warmed_drafters(peers, warm)
+                drafters += _warmed_drafters(peers, warm, make_peer)
+            drafters += [RetrievalOracle(seen, skip, oracle) for seen, skip, oracle in oracles]
             for drafter in drafters:
                 for label in (name, f"{name}-repeat") if args.repeat else (name,):
-                    with tqdm(total=len(reqs), desc=f"{label} b={budget} {drafter.name}", unit="req",
+                    with tqdm(total=len(reqs), desc=f"{label} {mode} {budget} {drafter.name}", unit="req",
                               file=sys.stderr, leave=False) as bar:
-                        results.append(replay(drafter, reqs, budget, label, progress=lambda _: bar.update()))
+                        results.append(replay(drafter, reqs, budget, label, progress=lambda _: bar.update(),
+                                              mode=mode))
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:
@@ -182,8 +212,10 @@ def _corpus(source: str, skip: int, limit: int) -> list[Request]:
     return reqs
 
 
-def _warmed_drafters(peers: Sequence[str], warm: Sequence[Request]) -> list[ReplayDrafter]:
-    """drafter, and ArcticInference when it is among the peers, filled with ``warm`` before the replay.
+def _warmed_drafters(peers: Sequence[str], warm: Sequence[Request],
+                     make_peer: Callable[[str], ReplayDrafter | None] = _make_peer) -> list[ReplayDrafter]:
+    """drafter, and ArcticInference when it is among the peers (made by ``make_peer``), filled with ``warm`` before
+    the replay.
 
     drafter takes them as the service's Ingest does (store, dynamic table, repeated-prompt cache, then an index
     rebuild); a peer sees each as a request it served (start, extend with the whole output, end).
@@ -196,7 +228,7 @@ def _warmed_drafters(peers: Sequence[str], warm: Sequence[Request]) -> list[Repl
     for name in peers:
         if not name.startswith("arctic"):
             continue
-        peer = _make_peer(name)
+        peer = make_peer(name)
         if peer is None:
             continue
         peer.name = f"{peer.name}+warm"
@@ -241,22 +273,37 @@ def _warmed(name: str) -> bool:
     return name.endswith("+warm")
 
 
+def _is_oracle(name: str) -> bool:
+    return name.startswith("oracle")
+
+
 def format_table(results: Sequence[ReplayResult]) -> str:
-    """Markdown table; ``vs best peer`` is drafter's MAT over the best peer's on the same set and budget (warmed
-    variants against warmed peers, the others against the cold ones)."""
-    best: dict[tuple[str, int, bool], float] = {}
+    """Markdown table, one row per result; rows compare within the same data set, mode and budget (or chain length),
+    warmed variants with warmed peers and oracle, the others with the cold ones.
+
+    ``vs best peer`` is drafter's MAT over the best peer's. ``share of oracle`` is ``(MAT - 1) / (oracle MAT - 1)``:
+    the share of the draft tokens the retrieval oracle gets accepted that the row gets accepted.
+    """
+    best: dict[tuple[str, str, int, bool], float] = {}
+    oracle: dict[tuple[str, str, int, bool], float] = {}
     for r in results:
-        if not _is_ours(r.drafter):
-            key = (r.dataset, r.budget, _warmed(r.drafter))
+        key = (r.dataset, r.mode, r.budget, _warmed(r.drafter))
+        if _is_oracle(r.drafter):
+            oracle[key] = r.mat
+        elif not _is_ours(r.drafter):
             best[key] = max(best.get(key, 0.0), r.mat)
-    lines = ["| data set | budget | drafter | MAT | vs best peer | steps with a hit | nodes/step | p50 µs | p99 µs |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| data set | budget | drafter | MAT | vs best peer | share of oracle | steps with a hit | nodes/step | "
+             "p50 µs | p99 µs |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        peer = best.get((r.dataset, r.budget, _warmed(r.drafter)))
+        key = (r.dataset, r.mode, r.budget, _warmed(r.drafter))
+        peer, ceiling = best.get(key), oracle.get(key)
         ratio = f"{r.mat / peer:.2f}×" if _is_ours(r.drafter) and peer else ""
-        lines.append(f"| {r.dataset} | {r.budget} | {r.drafter} | {r.mat:.3f} | {ratio} | {r.hit_rate:.1%} | "
-                     f"{r.mean_nodes:.1f} | {r.p50_us:.0f} | {r.p99_us:.0f} |")
-    lines += [f"\n{r.dataset} b={r.budget} {r.drafter}: draft model cache hit rate {r.model_hit_rate:.1%} of its steps"
+        share = f"{(r.mat - 1) / (ceiling - 1):.1%}" if ceiling and ceiling > 1 and not _is_oracle(r.drafter) else ""
+        latency = ["", ""] if _is_oracle(r.drafter) else [f"{r.p50_us:.0f}", f"{r.p99_us:.0f}"]  # it knows the answer
+        cells = [r.dataset, r.label, r.drafter, f"{r.mat:.3f}", ratio, share, f"{r.hit_rate:.1%}",
+                 f"{r.mean_nodes:.1f}", *latency]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [f"\n{r.dataset} b={r.label} {r.drafter}: draft model cache hit rate {r.model_hit_rate:.1%} of its steps"
               for r in results if r.model_hit_rate is not None]
     return "\n".join(lines)
 

@@ -128,6 +128,13 @@ class PromptLookupDrafter:
         draft = prompt_lookup(self._seq(request_id).view(), self.max_ngram, self.min_ngram, budget)
         return chain(draft.tolist(), source=self.name) if len(draft) else EMPTY_TREE
 
+    def propose_chain(self, request_id: str, k: int) -> DraftTree:
+        """Chain mode: the lookup's draft with ``num_pred_tokens = k``."""
+        if k <= 0:
+            return EMPTY_TREE
+        draft = prompt_lookup(self._seq(request_id).view(), self.max_ngram, self.min_ngram, k)
+        return chain(draft.tolist(), source=self.name) if len(draft) else EMPTY_TREE
+
     def end(self, request_id: str) -> None:
         """Forget the request."""
         self._seqs.pop(request_id, None)
@@ -202,12 +209,19 @@ def suffix_draft_to_tree(token_ids: Sequence[int], parents: Sequence[int], probs
                      (source,) * len(toks) if source else ())
 
 
+#: vLLM's ``suffix`` speculative method (0.32): its SpeculativeConfig defaults for suffix decoding.
+VLLM_SUFFIX_MAX_TREE_DEPTH = 24
+VLLM_SUFFIX_MAX_CACHED_REQUESTS = 10000
+VLLM_SUFFIX_MIN_TOKEN_PROB = 0.1
+
+
 class ArcticSuffixDrafter:
-    """Arctic Inference's suffix decoding (``SuffixDecodingCache``) in tree mode.
+    """Arctic Inference's suffix decoding (``SuffixDecodingCache``) in tree mode, or path mode for chains.
 
     Each request's prompt and response go into its local suffix tree; responses also go into the
     global tree shared by all requests and kept after they end (prompts are not), as in the package.
     Requests get fresh internal ids, so reusing a request id never evicts an earlier response.
+    ``propose_chain`` speculates in path mode (``use_tree_spec=False``), as vLLM's ``suffix`` method does.
     """
 
     def __init__(self, max_spec_factor: float = 1.0, max_spec_offset: float = 0.0,
@@ -241,6 +255,21 @@ class ArcticSuffixDrafter:
         self._contexts: dict[str, np.ndarray] = {}  # request -> (<= max_tree_depth,) int32 tail
         self._next_id = 0
 
+    @classmethod
+    def vllm_suffix(cls, max_spec_factor: float = 1.0, name: str | None = None) -> ArcticSuffixDrafter:
+        """The drafter as vLLM's ``suffix`` method configures it by default (``suffix_decoding_*`` settings).
+
+        Trees of depth 24, 10,000 cached responses, ``min_token_prob`` 0.1, no spec offset, path mode; vLLM's
+        ``num_speculative_tokens`` is the ``k`` of ``propose_chain``.
+
+        Args:
+            max_spec_factor: ``suffix_decoding_max_spec_factor`` (vLLM's default 1).
+            name: label, as in ``__init__``.
+        """
+        return cls(max_spec_factor=max_spec_factor, min_token_prob=VLLM_SUFFIX_MIN_TOKEN_PROB,
+                   max_tree_depth=VLLM_SUFFIX_MAX_TREE_DEPTH, max_cached_requests=VLLM_SUFFIX_MAX_CACHED_REQUESTS,
+                   use_tree_spec=False, name=name)
+
     def start(self, request_id: str, prompt: Sequence[int]) -> None:
         """Open a request: its prompt goes into a local suffix tree."""
         if request_id in self._ids:
@@ -261,13 +290,20 @@ class ArcticSuffixDrafter:
 
     def propose(self, request_id: str, max_nodes: int) -> DraftTree:
         """Speculate from the context tail with ``max_spec_tokens=max_nodes``."""
+        return self._speculate(request_id, max_nodes, self.use_tree_spec)
+
+    def propose_chain(self, request_id: str, k: int) -> DraftTree:
+        """Chain mode: speculate one path (``use_tree_spec=False``) with ``max_spec_tokens=k``."""
+        return self._speculate(request_id, k, False)
+
+    def _speculate(self, request_id: str, max_nodes: int, tree: bool) -> DraftTree:
         internal = self._internal(request_id)
         if max_nodes <= 0 or len(self._contexts[request_id]) == 0:
             return EMPTY_TREE
         draft = self._cache.speculate(
             internal, self._contexts[request_id], max_spec_tokens=max_nodes,
             max_spec_factor=self.max_spec_factor, max_spec_offset=self.max_spec_offset,
-            min_token_prob=self.min_token_prob, use_tree_spec=self.use_tree_spec)
+            min_token_prob=self.min_token_prob, use_tree_spec=tree)
         return suffix_draft_to_tree(draft.token_ids, draft.parents, draft.probs, max_nodes, self.name)
 
     def end(self, request_id: str) -> None:

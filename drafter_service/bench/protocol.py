@@ -1,4 +1,4 @@
-"""The interface every drafter replayed by the benchmark implements."""
+"""The interface every drafter replayed by the benchmark implements, and its optional chain extension."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Protocol, runtime_checkable
 
 from drafter_service.api.tree import DraftTree
 
-__all__ = ["ReplayDrafter"]
+__all__ = ["ChainDrafter", "ReplayDrafter"]
 
 
 @runtime_checkable
@@ -38,4 +38,18 @@ class ReplayDrafter(Protocol):
 
     def end(self, request_id: str) -> None:
         """The request is done (the drafter may learn from prompt + everything extended)."""
+        ...
+
+
+@runtime_checkable
+class ChainDrafter(Protocol):
+    """Optional extension of ``ReplayDrafter``: how the drafter makes its one chain per step in chain mode.
+
+    In chain mode (an engine that verifies a single path per request, as vLLM does) the replay calls
+    ``propose_chain`` instead of ``propose`` when the drafter has it; otherwise the chain is the best path of
+    a ``propose`` tree (see ``drafter_service.bench.replay.propose_chain``).
+    """
+
+    def propose_chain(self, request_id: str, k: int) -> DraftTree:
+        """One path of at most ``k`` tokens for the current sequence (parents ``-1, 0, 1, ...``); empty: no draft."""
         ...

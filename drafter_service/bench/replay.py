@@ -6,20 +6,64 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from drafter_service.api.tree import DraftTree, accept_greedy
-from drafter_service.bench.protocol import ReplayDrafter
+from drafter_service.api.tree import EMPTY_TREE, DraftTree, accept_greedy, best_chain
+from drafter_service.bench.protocol import ChainDrafter, ReplayDrafter
 from drafter_service.core.config import DrafterConfig
 from drafter_service.core.drafter import Drafter
 from drafter_service.datasets.loaders import Request
+from engine_client.vllm import ProposerSettings
 
 if TYPE_CHECKING:
     from drafter_service.model.card import DraftModelDrafts
 
 logger = logging.getLogger(__name__)
+
+Mode = Literal["tree", "chain"]
+"""How the replay verifies: a tree of at most ``budget`` nodes per step, or one chain of at most ``budget`` tokens."""
+
+#: The vLLM proposer's default settings (no environment): how many nodes it asks for and where it cuts chains.
+PROPOSER = ProposerSettings()
+
+
+def path_tree(tree: DraftTree, tokens: Sequence[int]) -> DraftTree:
+    """The path of ``tree`` spelt by ``tokens`` (from the root) as a chain, keeping its nodes' estimates and sources.
+
+    Raises:
+        ValueError: when ``tokens`` is not a path of the tree.
+    """
+    kids = tree.children()
+    nodes: list[int] = []
+    node = -1
+    for tok in tokens:
+        node = kids.get(node, {}).get(int(tok), -2)
+        if node < 0:
+            raise ValueError(f"{list(tokens)} is not a path of the tree")
+        nodes.append(node)
+    if not nodes:
+        return EMPTY_TREE
+    probs = tuple(tree.probs[i] for i in nodes)
+    return DraftTree(tuple(int(t) for t in tokens), tuple(range(-1, len(nodes) - 1)), probs, float(sum(probs)),
+                     tuple(tree.sources[i] for i in nodes) if tree.sources else ())
+
+
+def chain_proposer(drafter: ReplayDrafter) -> Callable[[str, int], DraftTree]:
+    """How the drafter makes its chain of at most ``k`` tokens per step: ``(request id, k) -> chain``.
+
+    A drafter with its own ``propose_chain`` (``ChainDrafter``) makes it; otherwise it is the best path
+    (``best_chain``, no minimum estimate) of a ``propose`` tree of as many nodes as the vLLM proposer asks for.
+    """
+    if isinstance(drafter, ChainDrafter):
+        return drafter.propose_chain
+
+    def best_path(request_id: str, k: int) -> DraftTree:
+        tree = drafter.propose(request_id, PROPOSER.tree_nodes(k))
+        return path_tree(tree, best_chain(tree, k))
+
+    return best_path
 
 
 class CoreDrafter:
@@ -54,6 +98,11 @@ class CoreDrafter:
     def propose(self, request_id: str, max_nodes: int) -> DraftTree:
         return self.core.propose(request_id, max_nodes)
 
+    def propose_chain(self, request_id: str, k: int) -> DraftTree:
+        """The chain the vLLM proposer (``engine_client.vllm``, default settings) takes from drafter's tree."""
+        tree = self.core.propose(request_id, PROPOSER.tree_nodes(k))
+        return path_tree(tree, best_chain(tree, k, PROPOSER.min_prob))
+
     def end(self, request_id: str) -> None:
         self.core.end(request_id)
         self.core.rebuild()
@@ -64,6 +113,8 @@ class ReplayResult:
     """Acceptance and cost of one drafter on one data set.
 
     Attributes:
+        budget: most nodes per step: the tree budget, or ``k`` in chain mode.
+        mode: "tree" (a tree per step) or "chain" (one path of at most ``budget`` tokens per step).
         mat: mean accepted length, tokens emitted per verification step (the target's own token included).
         hit_rate: share of steps that accepted at least one draft token.
         mean_nodes: nodes drafted per step.
@@ -74,6 +125,7 @@ class ReplayResult:
     drafter: str
     dataset: str
     budget: int
+    mode: Mode = "tree"
     requests: int = 0
     steps: int = 0
     emitted: int = 0
@@ -81,6 +133,11 @@ class ReplayResult:
     nodes: int = 0
     latencies_ns: list[int] = field(default_factory=list, repr=False)
     model_hit_rate: float | None = None
+
+    @property
+    def label(self) -> str:
+        """The budget as reports show it: ``"32"`` for a tree of 32 nodes, ``"chain 4"`` for chains of 4."""
+        return f"chain {self.budget}" if self.mode == "chain" else str(self.budget)
 
     @property
     def mat(self) -> float:
@@ -106,24 +163,28 @@ class ReplayResult:
         return self.percentile_us(99)
 
     def as_dict(self) -> dict[str, float | int | str | None]:
-        """Summary figures (no per-step data)."""
-        return {"drafter": self.drafter, "dataset": self.dataset, "budget": self.budget,
-                "requests": self.requests, "steps": self.steps, "mat": round(self.mat, 4),
+        """Summary figures (no per-step data); ``k`` is the chain length in chain mode, None in tree mode."""
+        return {"drafter": self.drafter, "dataset": self.dataset, "mode": self.mode, "budget": self.budget,
+                "k": self.budget if self.mode == "chain" else None, "requests": self.requests, "steps": self.steps,
+                "mat": round(self.mat, 4),
                 "hit_rate": round(self.hit_rate, 4), "mean_nodes": round(self.mean_nodes, 2),
                 "p50_us": round(self.p50_us, 1), "p99_us": round(self.p99_us, 1),
                 "model_hit_rate": self.model_hit_rate}
 
 
 def replay(drafter: ReplayDrafter, requests: Sequence[Request], budget: int, dataset: str = "",
-           progress: Callable[[int], None] | None = None) -> ReplayResult:
+           progress: Callable[[int], None] | None = None, mode: Mode = "tree") -> ReplayResult:
     """Process requests in order: draft, accept the longest matching branch, advance, repeat; then end.
 
     Each step drafts with at most ``budget`` nodes, accepts the longest branch prefix that equals the
     recorded output (greedy verification), and advances by the accepted tokens plus the target's own
-    next token. Latency covers ``extend`` (the correction with the previous step's tokens) and
-    ``propose``.
+    next token. In chain mode each step drafts one path of at most ``budget`` tokens (``chain_proposer``).
+    Latency covers ``extend`` (the correction with the previous step's tokens) and the proposal.
     """
-    result = ReplayResult(drafter.name, dataset, budget)
+    if mode not in ("tree", "chain"):
+        raise ValueError(f"mode must be 'tree' or 'chain', got {mode!r}")
+    result = ReplayResult(drafter.name, dataset, budget, mode)
+    draft = chain_proposer(drafter) if mode == "chain" else drafter.propose
     clock = time.perf_counter_ns
     untimed_before = getattr(drafter, "untimed_ns", 0)
     for done, req in enumerate(requests):
@@ -136,12 +197,14 @@ def replay(drafter: ReplayDrafter, requests: Sequence[Request], budget: int, dat
             t0 = clock()
             if pending:
                 drafter.extend(rid, pending)
-            tree = drafter.propose(rid, budget)
+            tree = draft(rid, budget)
             untimed = getattr(drafter, "untimed_ns", 0)
             result.latencies_ns.append(clock() - t0 - (untimed - untimed_before))
             untimed_before = untimed
             if len(tree) > budget:
                 raise AssertionError(f"{drafter.name} drafted {len(tree)} nodes over the budget {budget}")
+            if mode == "chain" and tree.parents != tuple(range(-1, len(tree) - 1)):
+                raise AssertionError(f"{drafter.name} drafted a tree, not a chain, in chain mode")
             accepted, _ = accept_greedy(tree, out[pos:])
             advance = min(accepted + 1, len(out) - pos)
             result.steps += 1

@@ -13,7 +13,7 @@ from drafter_service.bench.peers import (
     prompt_lookup,
     suffix_draft_to_tree,
 )
-from drafter_service.bench.protocol import ReplayDrafter
+from drafter_service.bench.protocol import ChainDrafter, ReplayDrafter
 
 needs_arctic = pytest.mark.skipif(not arctic_available(), reason="arctic-inference is not installed")
 
@@ -140,3 +140,43 @@ def test_arctic_trees_are_valid(factor: float) -> None:
     drafter.start("empty", [])
     assert len(drafter.propose("empty", 8)) == 0
     drafter.end("empty")
+
+
+@needs_arctic
+@pytest.mark.parametrize("factor", [1.0, 4.0])
+def test_arctic_chains_are_vllms_suffix_drafts(factor: float) -> None:
+    """``vllm_suffix`` chains equal what vLLM 0.32's suffix proposer gets from the package with its defaults."""
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    depth, k = 24, 6  # vLLM's suffix_decoding_max_tree_depth default; num_speculative_tokens
+    cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=10000)
+    drafter = ArcticSuffixDrafter.vllm_suffix(max_spec_factor=factor)
+    assert isinstance(drafter, ChainDrafter)
+    rng = np.random.default_rng(2)
+    answer = rng.integers(0, 30, 60)
+    chains = 0
+    for r in range(6):
+        prompt = rng.integers(0, 30, 10)
+        out = answer.copy()
+        out[rng.integers(0, out.size, 4)] = rng.integers(0, 30, 4)
+        seq = prompt.astype(np.int32)
+        cache.start_request(f"r{r}", seq)
+        drafter.start(f"r{r}", seq.tolist())
+        pos = 0
+        while pos < out.size:
+            step = out[pos:pos + int(rng.integers(1, 4))].astype(np.int32)
+            seq = np.concatenate([seq, step])
+            pos += step.size
+            cache.add_active_response(f"r{r}", step.tolist())
+            drafter.extend(f"r{r}", step.tolist())
+            # vLLM's SuffixDecodingProposer.propose: the last max_tree_depth tokens, its own defaults otherwise
+            theirs = cache.speculate(f"r{r}", seq[-depth:], max_spec_tokens=k, max_spec_factor=factor,
+                                     min_token_prob=0.1)
+            mine = drafter.propose_chain(f"r{r}", k)
+            mine.check_invariants(max_nodes=k)
+            assert list(mine.token_ids) == list(theirs.token_ids)
+            assert mine.parents == tuple(range(-1, len(mine) - 1))
+            chains += len(mine) > 0
+        cache.stop_request(f"r{r}")
+        drafter.end(f"r{r}")
+    assert chains > 0

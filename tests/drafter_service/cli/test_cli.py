@@ -30,3 +30,25 @@ def test_bench_replay_on_a_request_file_prints_ours_and_the_peer(tmp_path, capsy
 def test_bench_replay_without_input_explains_itself(capsys):
     with pytest.raises(SystemExit, match="request files or --dataset"):
         main(["bench", "replay"])
+
+
+def test_bench_replay_chain_mode_and_the_oracle(tmp_path, capsys):
+    rng = np.random.default_rng(2)
+    answer = rng.integers(0, 50, 40)
+    reqs = [Request(f"r{i}", rng.integers(0, 50, 10), answer) for i in range(5)]
+    path = tmp_path / "reqs.jsonl"
+    write_requests(path, reqs)
+    out_json = tmp_path / "out.json"
+    assert main(["bench", "replay", str(path), "--peers", "prompt-lookup", "--budget", "8", "--chain", "4",
+                 "--json", str(out_json)]) == 0
+    table = capsys.readouterr().out
+    assert "| chain 4 | drafter |" in table and "| 8 | oracle |" in table and "share of oracle" in table
+    rows = {(r["drafter"], r["mode"], r["budget"]): r for r in json.loads(out_json.read_text())}
+    assert set(rows) == {(d, m, b) for d in ("drafter", "prompt-lookup", "oracle") for m, b in (("tree", 8),
+                                                                                               ("chain", 4))}
+    for (_, mode, budget), row in rows.items():
+        assert row["k"] == (budget if mode == "chain" else None)
+        assert row["mean_nodes"] <= budget
+        assert row["mat"] <= rows[("oracle", mode, budget)]["mat"]
+    # the answer is all seen after the first request: the oracle then emits 4 + 1 tokens a step
+    assert rows[("oracle", "chain", 4)]["steps"] <= answer.size + 4 * -(-answer.size // 5)
