@@ -359,6 +359,7 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
         results.append(res)
         print(format_result(res), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps([{"dataset": r.dataset, "machine": machine(), "dtype": args.dtype, "reuse": r.reuse, "cache_hits": r.cache_hits,
+        Path(args.json).write_text(json.dumps([{"dataset": r.dataset, "machine": machine(), "dtype": args.dtype,
+                                                "reuse": r.reuse, "cache_hits": r.cache_hits,
                                                 "runs": [asdict(x) for x in r.runs]} for r in results]))
     return 0
