@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["AcceptanceCalibration", "StepCostCurve", "VerifyBudget", "best_prefix"]
 
 #: Node counts whose step times the curve keeps apart (a step of n nodes falls in the last point <= n).
-GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
+        6144, 8192)
 
 
 class StepCostCurve:
@@ -278,16 +279,17 @@ class VerifyBudget:
             self._idle, self._wait = 0, self.probe_every
         return n
 
-    def choose_batch(self, chains: Sequence[Sequence[float]], limit: int) -> list[int]:
+    def choose_batch(self, chains: Sequence[Sequence[float]], limit: int, base_tokens: int | None = None) -> list[int]:
         """How many tokens of each request's chain one batched step verifies.
 
-        The step's time is the curve at the total number of draft tokens; tokens are taken best first across
-        requests (each chain's estimates are non-increasing, so a request's tokens come in order) while the batch's
-        expected tokens per second grows.
+        The step's time is the curve at ``base_tokens`` plus the draft tokens; tokens are taken best first across
+        requests (calibrated, each chain's estimates made non-increasing, so a request's tokens come in order)
+        while the batch's expected tokens per second grows.
 
         Args:
             chains: per request, (k_i,) acceptance estimates of its chain's tokens in order.
             limit: most tokens per request.
+            base_tokens: query tokens the step has without drafts (one per row; default: one per chain).
 
         Returns:
             per request, how many leading tokens to verify.
@@ -295,12 +297,13 @@ class VerifyBudget:
         taken = [0] * len(chains)
         if not self.curve.measured:
             return [min(len(c), limit, self.min_nodes) for c in chains]
-        cap = self.explore_limit()
+        base = len(chains) if base_tokens is None else base_tokens
+        cap = self.explore_limit() - base
         candidates = sorted(((p, r, j) for r, c in enumerate(chains)
                              for j, p in enumerate(self.calibration.calibrate_chain(c[:limit]))),
                             key=lambda x: (-x[0], x[1], x[2]))
-        expected, total = float(len(chains)), 0
-        best_rate = expected / self.curve.seconds(0)
+        expected, total = float(base), 0
+        best_rate = expected / self.curve.seconds(base)
         best_total = 0
         order: list[int] = []
         for p, r, j in candidates:
@@ -310,7 +313,7 @@ class VerifyBudget:
             order.append(r)
             total += 1
             expected += p
-            rate = expected / self.curve.seconds(total)
+            rate = expected / self.curve.seconds(base + total)
             if rate > best_rate:
                 best_rate, best_total = rate, total
         out = [0] * len(chains)

@@ -18,10 +18,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from drafter_service.api.tree import best_chain
+from drafter_service.api.tree import best_chain_nodes
 from engine_client.client import DrafterClient
 from engine_client.client_common import DrafterRequestError
 from engine_client.security import ClientSecurity
+from engine_client.verify_budget import VerifyBudget
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ class ProposerSettings:
         min_prob: acceptance estimate a chain token must reach to be proposed (what verifying one more token
             costs, in accepted tokens).
         stats_file: a JSON file the proposer rewrites with its step counts and times ("" = none).
+        cost_aware: cut each step's chains to the tokens worth verifying by the step time measured against tokens
+            in the batch (``VerifyBudget.choose_batch``, the rule the reference engine and the service use), so
+            nothing is proposed where speculation would slow the engine down.
         security: TLS and bearer token.
     """
 
@@ -57,6 +61,7 @@ class ProposerSettings:
     max_nodes: int = 0
     min_prob: float = 0.05
     stats_file: str = ""
+    cost_aware: bool = True
     security: ClientSecurity = field(default_factory=ClientSecurity)
 
     @classmethod
@@ -64,7 +69,8 @@ class ProposerSettings:
         """Settings from the environment (unset variables keep the defaults).
 
         DRAFTER_ADDRESS, DRAFTER_NAMESPACE, DRAFTER_TIMEOUT, DRAFTER_MAX_NODES, DRAFTER_CHAIN_MIN_PROB,
-        DRAFTER_PROPOSER_STATS, and the TLS and token variables the ``drafter`` commands read (DRAFTER_TOKEN,
+        DRAFTER_PROPOSER_STATS, DRAFTER_COST_AWARE (0 turns it off), and the TLS and token variables the
+        ``drafter`` commands read (DRAFTER_TOKEN,
         DRAFTER_TLS, DRAFTER_TLS_ROOT_CA, DRAFTER_TLS_CLIENT_CERT, DRAFTER_TLS_CLIENT_KEY, DRAFTER_TLS_SERVER_NAME).
 
         Raises:
@@ -78,6 +84,7 @@ class ProposerSettings:
                        max_nodes=int(_env_float(env, "DRAFTER_MAX_NODES", default.max_nodes)),
                        min_prob=_env_float(env, "DRAFTER_CHAIN_MIN_PROB", default.min_prob),
                        stats_file=env.get("DRAFTER_PROPOSER_STATS", ""),
+                       cost_aware=_env_float(env, "DRAFTER_COST_AWARE", 1.0) != 0.0,
                        security=ClientSecurity.from_env(env))
         if settings.timeout <= 0 or settings.max_nodes < 0 or not 0.0 <= settings.min_prob <= 1.0:
             raise ValueError(f"DRAFTER_TIMEOUT must be > 0, DRAFTER_MAX_NODES >= 0 and DRAFTER_CHAIN_MIN_PROB in "
@@ -131,11 +138,20 @@ class RequestTracker:
     """
 
     def __init__(self, client: DrafterClient, k: int, max_model_len: int, max_nodes: int, min_prob: float,
-                 limits: RequestLimits = _no_limits) -> None:
+                 limits: RequestLimits = _no_limits, budget: VerifyBudget | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """Args (besides the client and vLLM's figures):
+            budget: cuts the chains to what pays for the batch (its curve's sizes are the step's query tokens:
+                one per row plus the draft tokens); None proposes every chain whole.
+            clock: seconds, for the step times (between consecutive steps).
+        """
         self.client, self.k, self.max_model_len = client, k, max_model_len
         self.max_nodes, self.min_prob, self.limits = max_nodes, min_prob, limits
+        self.budget, self.clock = budget, clock
         self.requests: dict[str, _Request] = {}
         self.figures = StepFigures()
+        self._proposed: dict[str, tuple[list[int], list[float]]] = {}  # request -> last chain and its estimates
+        self._last_step: tuple[float, int, int] | None = None  # (time, rows, query tokens) of the previous step
 
     def step(self, req_ids: Sequence[str], prompt_lens: Sequence[int], sampled: Sequence[Sequence[int]],
              num_tokens: Sequence[int], token_ids: Any) -> list[list[int]]:
@@ -151,6 +167,7 @@ class RequestTracker:
         out: list[list[int]] = [[] for _ in sampled]
         items: list[tuple[str, list[int]]] = []
         rows: list[int] = []
+        self._learn(req_ids, sampled)
         for i, new in enumerate(sampled):
             n = int(num_tokens[i])
             if not len(new) or n >= self.max_model_len - 1:
@@ -178,15 +195,46 @@ class RequestTracker:
         if not items:
             return out
         trees = self.client.draft_batch(items, self.max_nodes)
+        chains: list[tuple[int, list[int], list[float]]] = []
         for i, tree in zip(rows, trees, strict=True):
             if self.requests[req_ids[i]].done:
                 continue
-            chain = best_chain(tree, min(self.k, self.max_model_len - int(num_tokens[i]) - 1), self.min_prob)
-            if chain:
-                out[i] = chain
+            nodes = best_chain_nodes(tree, min(self.k, self.max_model_len - int(num_tokens[i]) - 1), self.min_prob)
+            if nodes:
+                chains.append((i, [tree.token_ids[j] for j in nodes], [tree.probs[j] for j in nodes]))
+        if self.budget is not None:
+            keep = self.budget.choose_batch([probs for *_, probs in chains], self.k, base_tokens=len(sampled))
+            chains = [(i, toks[:n], probs[:n]) for (i, toks, probs), n in zip(chains, keep, strict=True)]
+        for i, toks, probs in chains:
+            if toks:
+                out[i] = toks
+                self._proposed[req_ids[i]] = (toks, probs)
                 self.figures.drafted_rows += 1
-                self.figures.draft_tokens += len(chain)
+                self.figures.draft_tokens += len(toks)
+        self._last_step = (self.clock(), len(sampled), len(sampled) + sum(len(c) for c in out))
         return out
+
+    def _learn(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]]) -> None:
+        """Teach the budget what the previous step cost and which proposed tokens were accepted.
+
+        A step is timed from the previous ``step`` call to this one; steps whose rows changed (a request joined,
+        left or was still in prefill) are not timed, since prefill tokens would be counted as draft tokens.
+        """
+        proposed, self._proposed = self._proposed, {}
+        last, self._last_step = self._last_step, None
+        if self.budget is None or last is None:
+            return
+        for req_id, new in zip(req_ids, sampled, strict=True):
+            chain = proposed.get(req_id)
+            if chain is not None and len(new):
+                toks, probs = chain
+                accepted = 0
+                while accepted < min(len(toks), len(new) - 1) and new[accepted] == toks[accepted]:
+                    accepted += 1
+                self.budget.calibration.observe(probs, [j < accepted for j in range(len(toks))])
+        at, rows, tokens = last
+        if rows == len(sampled) and all(len(new) for new in sampled):
+            self.budget.curve.observe(tokens, self.clock() - at)
 
     def end_finished(self, live: Any) -> None:
         """End the sessions of requests no longer in ``live`` (a container of the runner's request ids)."""
@@ -287,7 +335,8 @@ class DrafterProposer:
                          self.vocab_size)
             client.close()
             return
-        self._tracker = RequestTracker(client, self.k, self.max_model_len, 0, s.min_prob, self._limits)
+        self._tracker = RequestTracker(client, self.k, self.max_model_len, 0, s.min_prob, self._limits,
+                                       VerifyBudget() if s.cost_aware else None)
         logger.info("drafter: proposing up to %d tokens per request from %s (namespace %r)", self.k, s.address,
                     s.namespace)
         self._watcher = threading.Thread(target=self._watch, name="drafter-proposer", daemon=True)

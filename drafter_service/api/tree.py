@@ -210,6 +210,11 @@ def best_chain(tree: DraftTree, max_len: int, min_prob: float = 0.0) -> list[int
         max_len: most tokens in the chain (the engine's speculative length); <= 0 gives [].
         min_prob: the acceptance estimate one more token must reach to be worth its verification.
     """
+    return [tree.token_ids[i] for i in best_chain_nodes(tree, max_len, min_prob)]
+
+
+def best_chain_nodes(tree: DraftTree, max_len: int, min_prob: float = 0.0) -> list[int]:
+    """``best_chain`` as node indices, from the root's child down (their ``probs`` are the chain's estimates)."""
     n = len(tree)
     if n == 0 or max_len <= 0:
         return []
@@ -225,4 +230,8 @@ def best_chain(tree: DraftTree, max_len: int, min_prob: float = 0.0) -> list[int
         gain[i] = (gain[parent] if parent >= 0 else 0.0) + prob - min_prob
         if gain[i] > best_gain:
             best, best_gain = i, gain[i]
-    return tree.path(best) if best >= 0 else []
+    nodes: list[int] = []
+    while best >= 0:
+        nodes.append(best)
+        best = tree.parents[best]
+    return nodes[::-1]

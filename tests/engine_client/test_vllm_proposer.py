@@ -62,6 +62,7 @@ def service(monkeypatch):
     address = f"127.0.0.1:{port}"
     monkeypatch.setenv("DRAFTER_ADDRESS", address)
     monkeypatch.setenv("DRAFTER_TIMEOUT", "2")
+    monkeypatch.setenv("DRAFTER_COST_AWARE", "0")  # whole chains: what these tests check (see the cost tests)
     yield server, address
     server.stop(0)
 
@@ -219,3 +220,39 @@ def test_a_namespace_of_another_vocabulary_is_refused_with_a_clear_error(service
     runner.requests["a"] = SimpleNamespace(sampling_params=None)
     runner.place(["a"], {"a": [1, 2, 3, 4]}, {"a": 3})
     assert runner.step([[4]]) == [[]]
+
+
+DOC = [(11 * i) % 97 + 3 for i in range(90)]
+
+
+def costed_drafts(monkeypatch, address: str, per_token: float) -> list[int]:
+    """Draft tokens per step for two requests repeating a stored document, on an engine whose step takes 10 ms per
+    row plus ``per_token`` times that per draft token (a fake clock the proposer reads)."""
+    monkeypatch.setenv("DRAFTER_COST_AWARE", "1")
+    with DrafterClient(address) as client:
+        client.ingest([(DOC[:8], DOC[8:], f"doc{i}") for i in range(3)])
+    proposer, runner = proposer_with_runner()
+    now = [0.0]
+    proposer._tracker.clock = lambda: now[0]
+    propose = runner.step
+
+    def timed(sampled):
+        out = propose(sampled)
+        now[0] += 0.01 * (len(sampled) + per_token * sum(len(c) for c in out))
+        return out
+
+    runner.step = timed
+    reqs = {"a": (DOC[:8], DOC[8:70]), "b": (DOC[:10], DOC[10:72])}
+    steps = generate(runner, reqs, [["a", "b"]] * 50)
+    return [sum(len(c) for c in step.values()) for step in steps]
+
+
+def test_cost_aware_chains_are_whole_where_tokens_are_cheap(service, monkeypatch):
+    drafted = costed_drafts(monkeypatch, service[1], per_token=0.01)
+    assert drafted[0] == 0  # the first step is plain: it measures the step time without drafts
+    assert sum(drafted[10:]) >= 0.8 * 2 * K * 40  # later steps verify nearly whole chains
+
+
+def test_cost_aware_chains_stop_where_tokens_cost_more_than_they_bring(service, monkeypatch):
+    drafted = costed_drafts(monkeypatch, service[1], per_token=5.0)  # a draft token costs 5 plain rows
+    assert sum(drafted[25:]) == 0

@@ -81,7 +81,8 @@ def service(workdir):
 
 def proposer_env(service: ServiceProcess, workdir: Path, name: str) -> dict[str, str]:
     return {"DRAFTER_ADDRESS": service.address, "DRAFTER_TIMEOUT": "2",
-            "DRAFTER_PROPOSER_STATS": str(workdir / f"{name}.json")}
+            "DRAFTER_PROPOSER_STATS": str(workdir / f"{name}.json"),
+            "DRAFTER_COST_AWARE": "0"}  # whole chains, so drafts are proposed whatever this machine's step costs
 
 
 @pytest.fixture(scope="module")

@@ -170,6 +170,7 @@ def test_drafter_chains_are_the_vllm_proposers_chains(monkeypatch, k: int) -> No
     monkeypatch.setattr(vllm_module, "DrafterClient", CoreClient)
     for name in ("DRAFTER_MAX_NODES", "DRAFTER_CHAIN_MIN_PROB"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DRAFTER_COST_AWARE", "0")  # the replay has no step times: chains are cut as without them
     max_len = 4096
     config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
                              model_config=SimpleNamespace(max_model_len=max_len, get_vocab_size=lambda: 100))
