@@ -16,8 +16,10 @@ from tqdm import tqdm
 from drafter_service.bench.batch_bench import add_batch_bench
 from drafter_service.bench.corpus_bench import add_corpus_bench
 from drafter_service.bench.e2e import add_e2e_bench
+from drafter_service.bench.ngram_mod import NGramModDrafter
 from drafter_service.bench.oracle import RetrievalOracle, SeenPrefixes
 from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
+from drafter_service.bench.pia_trie import PiaLookaheadDrafter
 from drafter_service.bench.protocol import ReplayDrafter
 from drafter_service.bench.replay import CoreDrafter, Mode, ReplayResult, replay
 from drafter_service.bench.replicas_bench import add_replicas_bench
@@ -32,7 +34,7 @@ from store.ngram_table import FrozenNGramTable
 
 logger = logging.getLogger(__name__)
 
-PEERS = ("prompt-lookup", "arctic", "arctic-f4")
+PEERS = ("prompt-lookup", "arctic", "arctic-f4", "pia", "ngram-mod")
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
@@ -97,6 +99,10 @@ def _make_peer(name: str) -> ReplayDrafter | None:
             logger.warning("arctic-inference is not installed (make bench-peers); skipping %s", name)
             return None
         return ArcticSuffixDrafter(max_spec_factor=4.0 if name == "arctic-f4" else 1.0)
+    if name == "pia":
+        return PiaLookaheadDrafter()
+    if name == "ngram-mod":
+        return NGramModDrafter()
     raise SystemExit(f"unknown peer {name!r}; choose among {', '.join(PEERS)}")
 
 
