@@ -280,15 +280,17 @@ class PiaLookaheadDrafter:
         return builder.tree(self.name)
 
     def propose_chain(self, request_id: str, k: int) -> DraftTree:
-        """The best single branch, at most ``k`` tokens: from the longest match, the most frequent child each step.
+        """The best single branch, at most ``k`` tokens, by the trie's own estimates.
 
-        When that branch is shorter than ``k``, shorter matches are tried too and the longest branch is kept (the
-        longer match on ties).
+        From each matched node, the most frequent child is followed step by step (PIA's ``get_one_branch``); of
+        these branches, the one with the largest expected accepted length (sum of its count-share probabilities)
+        is returned, the longer match on ties.
         """
         req = self._request(request_id)
         if k <= 0:
             return EMPTY_TREE
         best: tuple[list[int], list[float]] = ([], [])
+        best_score = 0.0
         for node, _ in self.trie.match(req.context, self.min_match_window, self.max_match_window):
             toks: list[int] = []
             probs: list[float] = []
@@ -300,10 +302,8 @@ class PiaLookaheadDrafter:
                 toks.append(tok)
                 probs.append(prob)
                 kids = child.children
-            if len(toks) > len(best[0]):
-                best = (toks, probs)
-            if len(toks) >= k:
-                break
+            if sum(probs) > best_score:
+                best, best_score = (toks, probs), sum(probs)
         return chain(best[0], best[1], self.name) if best[0] else EMPTY_TREE
 
     def end(self, request_id: str) -> None:

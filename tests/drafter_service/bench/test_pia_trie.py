@@ -137,6 +137,20 @@ def test_longest_match_comes_first() -> None:
     assert list(drafter.propose_chain("q", 4).token_ids) == [3]
 
 
+def test_chain_is_the_branch_with_the_largest_expected_length() -> None:
+    drafter = PiaLookaheadDrafter()
+    _serve(drafter, "r0", [90], [7, 1, 2, 3])
+    for i in range(3):
+        _serve(drafter, f"s{i}", [91 + i], [8, 1, 2, 4, 5, 6, 9])
+    drafter.start("q", [7, 1, 2])
+    # "7 1 2" -> [3] expects 1 token; "1 2" -> [4, 5, 6] expects 3 * 0.75
+    assert list(drafter.propose_chain("q", 1).token_ids) == [3]
+    line = drafter.propose_chain("q", 3)
+    assert list(line.token_ids) == [4, 5, 6]
+    assert list(line.probs) == pytest.approx([0.75, 0.75, 0.75])
+    assert drafter.propose("q", 8).token_ids[0] == 3  # the tree still starts from the longest match
+
+
 def test_bfs_mode_takes_recent_children_first() -> None:
     recency = PiaLookaheadDrafter(match_type="BFS")
     frequency = PiaLookaheadDrafter()
