@@ -14,6 +14,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llama
 from drafter_service.api.tree import EMPTY_TREE, DraftTree, chain
 from engine_client.draft_source import DraftSource, NoDrafts
 from engine_client.engine import GenerationResult, ReferenceEngine, default_device, greedy_reference
+from engine_client.verify_budget import StepCostCurve, VerifyBudget
 
 VOCAB = 100
 PROMPT = [5, 17, 42, 8, 99, 3, 61]  # longer than the Gemma sliding window below
@@ -277,14 +278,21 @@ def test_adaptive_engine_sends_its_cost_curve_and_stops_verifying_confident_wron
             costs.append(list(verify_cost))
             return super().draft(session, accepted, max_nodes, step_seconds, plain_step_seconds, verify_cost)
 
+    class SteepCurve(StepCostCurve):
+        """Step times as on a CPU where a node costs a whole plain step, whatever this machine's load."""
+
+        def observe(self, nodes, seconds):
+            super().observe(nodes, 0.1 * (1 + nodes))
+
     source = Recording(truth, wrong_chain)
-    engine = ReferenceEngine(model, source, device="cpu", adaptive=True)
+    engine = ReferenceEngine(model, source, device="cpu", adaptive=True, budget=VerifyBudget(SteepCurve()))
     result = engine.generate(PROMPT, 40)
     assert result.tokens == truth[:40]
     assert costs[0] == [] and costs[1] and costs[1][0][0] == 0.0  # the first step is plain and measures t(0)
     assert all(s.accepted == 0 for s in result.steps)
     late = result.steps[len(result.steps) // 2:]
     assert sum(s.drafted for s in late) <= 2  # calibrated down: at most a probe node now and then
+    assert engine.budget.calibration(0.9) < 0.2
 
 
 def test_adaptive_engine_verifies_drafts_that_pay():
