@@ -18,7 +18,8 @@
 #define FOLLOWER_BASE (ROWS_BASE + 2 * N_MATCH * N_SHARE * N_COUNT)
 #define FRESH_BASE (FOLLOWER_BASE + 2 * 2)
 #define AGREE_BASE (FRESH_BASE + 2 * N_RANK * N_COUNT)
-#define N_KEYS (AGREE_BASE + 16 * N_AGREE)
+#define CONTESTED_BASE (AGREE_BASE + 16 * N_AGREE)
+#define N_KEYS (CONTESTED_BASE + AGREE_BASE)
 #define MAX_TABLES 8
 #define MAX_LEADER 16
 #define FOLLOWER_PRIOR 0.6
@@ -322,9 +323,13 @@ static int expand(Builder *B, int parent, double pprob, int depth, int c_rows_of
     }
     int at_node[2] = {0, 0};
     for (int i = 0; i < n; i++) at_node[row_pool[c_rows_off + i] < B->nrows[0] ? 0 : 1]++;
+    int present = 0;  /* source kinds proposing any kept child here */
+    for (int oi = 0; oi < norder; oi++) present |= ch[order[oi]].kinds;
     for (int oi = 0; oi < norder; oi++) {
         int ci = order[oi];
         Child c = ch[ci];
+        /* Contested: another source kind proposes a different token here. */
+        int contested_off = (present & ~c.kinds) ? CONTESTED_BASE : 0;
         int keys[4];
         double priors[4];
         int nev = 0;
@@ -335,7 +340,7 @@ static int expand(Builder *B, int parent, double pprob, int depth, int c_rows_of
                 double share = (double)c.here[kind] / at_node[kind];
                 int m = B->match_len[kind] + depth;
                 int key = ROWS_BASE + ((kind * N_MATCH + match_bucket(m)) * N_SHARE + share_bucket(share)) * N_COUNT
-                          + count_bucket(at_node[kind]);
+                          + count_bucket(at_node[kind]) + contested_off;
                 double prior = share * (m / (m + 1.0)) * (at_node[kind] / (at_node[kind] + 0.5));
                 keys[nev] = key; priors[nev++] = prior;
                 double e = estimate(B, key, prior);
@@ -354,6 +359,7 @@ static int expand(Builder *B, int parent, double pprob, int depth, int c_rows_of
                       + count_bucket(c.count);
                 prior = table_prior(kind) / (1.0 + c.rank);
             }
+            key += contested_off;
             keys[nev] = key; priors[nev++] = prior;
             double e = estimate(B, key, prior);
             if (e > best) best = e;

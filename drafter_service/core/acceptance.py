@@ -6,17 +6,20 @@ import array
 import threading
 from collections.abc import Iterable
 
-# Evidence keys are small integers laid out in four blocks (shared with the native tree builder):
+# Evidence keys are small integers laid out in five blocks (shared with the native tree builder):
 #   rows      (kind 0 session / 1 store) x match bucket x share bucket x count bucket
 #   follower  (kind 2 dynamic / 3 frozen) x position in the follower (1, 2+)
 #   fresh     (kind 2 / 3) x rank bucket x count bucket
 #   agree     source-kind mask x bucket of the best single estimate
+#   contested the rows, follower and fresh keys again, for a child beside which another source kind proposes
+#             a different token (``contested_key``)
 N_MATCH, N_SHARE, N_COUNT, N_RANK, N_AGREE = 10, 5, 6, 4, 11
 ROWS_BASE = 0
 FOLLOWER_BASE = ROWS_BASE + 2 * N_MATCH * N_SHARE * N_COUNT
 FRESH_BASE = FOLLOWER_BASE + 2 * 2
 AGREE_BASE = FRESH_BASE + 2 * N_RANK * N_COUNT
-N_KEYS = AGREE_BASE + 16 * N_AGREE
+CONTESTED_BASE = AGREE_BASE + 16 * N_AGREE
+N_KEYS = CONTESTED_BASE + AGREE_BASE
 
 _MATCH_BUCKETS = (0, 1, 2, 3, 4, 5, 5, 6, 6, 7, 7, 7, 7, 8, 8, 8, 8)  # match length -> bucket (9 above 16)
 _COUNT_BUCKETS = (0, 1, 2, 3, 3, 4, 4, 4, 4)  # occurrences -> bucket (5 above 8)
@@ -51,6 +54,12 @@ def follower_key(kind: int, position: int) -> int:
 def fresh_key(kind: int, rank: int, count: int) -> int:
     """Key of a table child that starts a follower: its rank in the query and its insertion count."""
     return FRESH_BASE + ((kind - 2) * N_RANK + min(rank, N_RANK - 1)) * N_COUNT + count_bucket(count)
+
+
+def contested_key(key: int) -> int:
+    """The contested variant of a rows, follower or fresh key: the same evidence for a child beside which another
+    source kind proposes a different token (a source's estimate is lower where another source disagrees)."""
+    return CONTESTED_BASE + key
 
 
 def agree_key(kinds: int, best: float) -> int:

@@ -12,7 +12,14 @@ from typing import Protocol
 import numpy as np
 
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
-from drafter_service.core.acceptance import AcceptanceModel, agree_key, follower_key, fresh_key, rows_key
+from drafter_service.core.acceptance import (
+    AcceptanceModel,
+    agree_key,
+    contested_key,
+    follower_key,
+    fresh_key,
+    rows_key,
+)
 
 Evidence = tuple[Sequence[int], Sequence[int], Sequence[float]]
 """Why each node was proposed: (offsets (n + 1,), keys, priors); node i's evidence is
@@ -204,10 +211,14 @@ def _build_python(context: Sequence[int], rows_sources: Sequence[RowsSource], ta
         at_node = [0] * ROWS_KINDS
         for r in row_ids:
             at_node[row_kind[r]] += 1
+        present = 0  # source kinds proposing any child here
+        for ch in children.values():
+            present |= ch.kinds
         for tok, ch in children.items():
             keys: list[int] = []
             priors: list[float] = []
             best = 0.0
+            contested = bool(present & ~ch.kinds)  # another source kind proposes a different token here
             if ch.rows:
                 here = [0] * ROWS_KINDS
                 for r in ch.rows:
@@ -218,6 +229,7 @@ def _build_python(context: Sequence[int], rows_sources: Sequence[RowsSource], ta
                         share = c / at_node[kind]
                         m = match_len[kind] + depth
                         key = rows_key(kind, m, share, at_node[kind])
+                        key = contested_key(key) if contested else key
                         prior = rows_prior(m, share, at_node[kind])
                         keys.append(key)
                         priors.append(prior)
@@ -230,6 +242,8 @@ def _build_python(context: Sequence[int], rows_sources: Sequence[RowsSource], ta
                 else:
                     key = fresh_key(src.kind, ch.rank, ch.count)
                     prior = _TABLE_PRIOR[src.kind] / (1.0 + ch.rank)
+                if contested:
+                    key = contested_key(key)
                 keys.append(key)
                 priors.append(prior)
                 best = max(best, estimate(key, prior))

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter_service.core import tree_builder
-from drafter_service.core.acceptance import N_KEYS, AcceptanceModel
+from drafter_service.core.acceptance import CONTESTED_BASE, N_KEYS, AcceptanceModel, contested_key, rows_key
 from drafter_service.core.tree_builder import BuildLimits, RowsSource, TableSource, build_tree, score_draft
 from store.corpus_counts import build_frozen_table
 from store.ngram_table import LRUNGramTable
@@ -44,6 +44,22 @@ def test_table_followers_are_chained_and_requeried(native):
                          native=native)
     # leader 1 -> (2, 3, 4); at 4 the table is queried again: 4 -> (5, 6, 7)
     assert tree.path(len(tree) - 1) == [2, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_child_another_source_disagrees_with_has_contested_keys(native):
+    if native and tree_builder._native is None:
+        pytest.skip("native tree builder not built")
+    session = RowsSource(0, 3, rows([5, 6]))
+    store = RowsSource(1, 3, rows([9, 6], [5, 6]))
+    tree, (offsets, keys, _) = build_tree([1], [session, store], [], AcceptanceModel(), BuildLimits(8, 8, 0.0),
+                                          native=native)
+    root = {tree.token_ids[i]: i for i in range(len(tree)) if tree.parents[i] == -1}
+    # 5: session and store agree (the agreement key is last); 9: the store alone, beside the session's 5
+    agreed = list(keys[offsets[root[5]]:offsets[root[5] + 1]])
+    assert agreed[:2] == [rows_key(0, 3, 1.0, 1), rows_key(1, 3, 0.5, 2)]
+    assert list(keys[offsets[root[9]]:offsets[root[9] + 1]]) == [contested_key(rows_key(1, 3, 0.5, 2))]
+    assert all(k < CONTESTED_BASE for k in agreed[:2]) and contested_key(0) < N_KEYS
 
 
 def test_nothing_known_gives_an_empty_tree():
