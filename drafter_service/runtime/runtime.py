@@ -128,8 +128,13 @@ class Runtime:
         logger.info("stopped")
 
     def wait(self) -> None:
-        """Block until ``stop`` is called (from a signal handler or another thread)."""
-        self._stopped.wait()
+        """Block until ``stop`` is called (from a signal handler or another thread).
+
+        Waits in short slices: a signal the kernel delivers to another thread only sets a flag, and the main thread
+        runs the Python handler when it next executes bytecode, which a wait with no timeout may never do.
+        """
+        while not self._stopped.wait(0.25):
+            pass
 
     def __enter__(self) -> Runtime:
         return self.start()
