@@ -220,13 +220,13 @@ class AsyncDrafterClient(LocalFigures):
 
     async def draft(self, session: str, accepted: Sequence[int], max_nodes: int = 0,
                     step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
-                    verify_cost: Sequence[tuple[float, float]] = ()) -> DraftTree:
+                    verify_cost: Sequence[tuple[float, float]] = (), estimate_exponent: float = 0.0) -> DraftTree:
         """The next draft tree of a session (EMPTY_TREE when the service is away). See ``DrafterClient.draft``."""
         t0 = perf_counter_ns()
         await self.connect()
         book = self._book
         state = book.get(session)
-        cost = book.cost_points(verify_cost)  # checked before anything is recorded
+        cost = book.cost_points(verify_cost, estimate_exponent)  # checked before anything is recorded
         toks = book.record(state, accepted, step_seconds, max_nodes, plain_step_seconds)
         tree = book.try_reuse(state, toks, max_nodes)
         if tree is not None:

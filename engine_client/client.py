@@ -287,7 +287,7 @@ class DrafterClient(LocalFigures):
 
     def draft(self, session: str, accepted: Sequence[int], max_nodes: int = 0,
               step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
-              verify_cost: Sequence[tuple[float, float]] = ()) -> DraftTree:
+              verify_cost: Sequence[tuple[float, float]] = (), estimate_exponent: float = 0.0) -> DraftTree:
         """The next draft tree of a session: a reused subtree, a fresh one, or EMPTY_TREE when the service is away.
 
         Args:
@@ -299,6 +299,8 @@ class DrafterClient(LocalFigures):
                 unknown (passed to the service, which estimates the speedup from the two).
             verify_cost: the engine's step time against draft nodes as ``(nodes, seconds)`` points (at most 64;
                 ``StepCostCurve.points``); the service then returns only the prefix worth verifying.
+            estimate_exponent: the engine's calibration of the estimates (``AcceptanceCalibration.gamma``; 0:
+                none): the service's cut uses ``p ** exponent``.
 
         Raises:
             DrafterRequestError: unknown session, bad token ids, budget or step time (nothing is recorded).
@@ -306,7 +308,7 @@ class DrafterClient(LocalFigures):
         t0 = perf_counter_ns()
         book = self._book
         state = book.get(session)
-        cost = book.cost_points(verify_cost)  # checked before anything is recorded
+        cost = book.cost_points(verify_cost, estimate_exponent)  # checked before anything is recorded
         toks = book.record(state, accepted, step_seconds, max_nodes, plain_step_seconds)
         tree = book.try_reuse(state, toks, max_nodes)
         if tree is not None:

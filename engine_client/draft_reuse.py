@@ -324,19 +324,23 @@ class SessionBook:
             logger.info("session %s reopened on the service with %d tokens", state.local_id, n)
 
     def draft_request(self, state: SessionState, max_nodes: int, report: bool, step_seconds: float,
-                      plain_step_seconds: float = 0.0, cost: tuple[list[float], list[float]] = ([], [])
-                      ) -> tuple[pb.DraftRequest, Pending]:
+                      plain_step_seconds: float = 0.0,
+                      cost: tuple[list[float], list[float], float] = ([], [], 0.0)) -> tuple[pb.DraftRequest, Pending]:
         """The next DraftRequest of a session (every token not sent yet) and its pending record; ``cost``: the
         engine's (nodes, seconds) cost points (``cost_points``)."""
         session_id, accepted, ask, entry = self.next_step(state, max_nodes, report)
         return pb.DraftRequest(session_id=session_id, accepted=accepted, max_nodes=ask, report_only=report,
                                step_seconds=step_seconds, plain_step_seconds=plain_step_seconds,
-                               cost_nodes=cost[0], cost_seconds=cost[1]), entry
+                               cost_nodes=cost[0], cost_seconds=cost[1], estimate_exponent=cost[2]), entry
 
     @staticmethod
-    def cost_points(points: Sequence[tuple[float, float]]) -> tuple[list[float], list[float]]:
-        """A cost curve's ``(nodes, seconds)`` points as the request's two columns; DrafterRequestError when bad
-        (more than 64 points, negative nodes, seconds outside (0, 3600])."""
+    def cost_points(points: Sequence[tuple[float, float]], exponent: float = 0.0
+                    ) -> tuple[list[float], list[float], float]:
+        """A cost curve's ``(nodes, seconds)`` points as the request's two columns, and the estimates' exponent;
+        DrafterRequestError when bad (more than 64 points, negative nodes, seconds outside (0, 3600], an
+        exponent outside [0, 100])."""
+        if not 0.0 <= exponent <= 100.0:  # also refuses NaN
+            raise DrafterRequestError(f"estimate_exponent must be in [0, 100], got {exponent}")
         if len(points) > 64:
             raise DrafterRequestError(f"at most 64 cost points, got {len(points)}")
         nodes, seconds = [], []
@@ -346,7 +350,7 @@ class SessionBook:
                                           f"got ({n}, {t})")
             nodes.append(float(n))
             seconds.append(float(t))
-        return nodes, seconds
+        return nodes, seconds, float(exponent)
 
     def next_step(self, state: SessionState, max_nodes: int, report: bool) -> tuple[str, list[int], int, Pending]:
         """The next step of a session: (remote session id, every token not sent yet, budget to ask for, its pending

@@ -25,7 +25,7 @@ class DraftSource(Protocol):
 
     def draft(self, session: str, accepted: Sequence[int], max_nodes: int = 0,
               step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
-              verify_cost: Sequence[tuple[float, float]] = ()) -> DraftTree:
+              verify_cost: Sequence[tuple[float, float]] = (), estimate_exponent: float = 0.0) -> DraftTree:
         """The next tree for a session.
 
         Args:
@@ -38,6 +38,8 @@ class DraftSource(Protocol):
                 (0: unknown); with ``step_seconds`` it lets the service estimate the speedup.
             verify_cost: the engine's step time against draft nodes, as ``(nodes, seconds)`` points by size
                 (``StepCostCurve.points``); given, the source may leave out nodes not worth verifying.
+            estimate_exponent: the engine's calibration of the tree's estimates (``p ** exponent`` is the
+                acceptance it sees; 0: none), used with ``verify_cost``.
         """
         ...
 
@@ -57,7 +59,7 @@ class NoDrafts:
 
     def draft(self, session: str, accepted: Sequence[int], max_nodes: int = 0,
               step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
-              verify_cost: Sequence[tuple[float, float]] = ()) -> DraftTree:
+              verify_cost: Sequence[tuple[float, float]] = (), estimate_exponent: float = 0.0) -> DraftTree:
         return EMPTY_TREE
 
     def end(self, session: str, accepted: Sequence[int]) -> None:

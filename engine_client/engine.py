@@ -174,7 +174,8 @@ class ReferenceEngine:
                 curve = self.budget.curve
                 tree = source.draft(session, since_last, self.max_nodes, step_seconds=step_seconds,
                                     plain_step_seconds=curve.plain_seconds(),
-                                    verify_cost=curve.points() if self.adaptive else ())
+                                    verify_cost=curve.points() if self.adaptive else (),
+                                    estimate_exponent=self.budget.calibration.gamma if self.adaptive else 0.0)
                 if len(tree) > self.max_nodes:
                     tree = tree.prefix(self.max_nodes)
                 if self.adaptive and len(tree):

@@ -30,6 +30,10 @@ GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512
         6144, 8192)
 
 
+#: Bounds of the calibration's power law: beyond them one workload's extremes would rule every estimate.
+GAMMA_RANGE = (0.25, 4.0)
+
+
 class StepCostCurve:
     """``t(n)``: seconds of a verification step with ``n`` draft nodes, learned from the steps an engine ran.
 
@@ -116,7 +120,8 @@ class StepCostCurve:
         return self.seconds(0)
 
 
-def best_prefix(probs: Sequence[float], curve: StepCostCurve, min_nodes: int = 0, max_nodes: int | None = None) -> int:
+def best_prefix(probs: Sequence[float], curve: StepCostCurve, min_nodes: int = 0, max_nodes: int | None = None,
+                exponent: float = 1.0) -> int:
     """Nodes to keep so that (1 + expected accepted) / step time is highest (0: a plain step pays best).
 
     Args:
@@ -124,6 +129,7 @@ def best_prefix(probs: Sequence[float], curve: StepCostCurve, min_nodes: int = 0
         curve: the step's time against nodes verified; before any measurement every node is kept.
         min_nodes: keep at least this many (when the tree has them).
         max_nodes: consider at most this many.
+        exponent: each probability is raised to it first (an engine's calibration of the estimates).
 
     Returns:
         how many leading nodes to verify (``DraftTree.prefix`` keeps a valid tree).
@@ -131,6 +137,8 @@ def best_prefix(probs: Sequence[float], curve: StepCostCurve, min_nodes: int = 0
     limit = len(probs) if max_nodes is None else max(0, min(len(probs), max_nodes))
     if not curve.measured:
         return limit
+    if exponent != 1.0:
+        probs = [float(p) ** exponent for p in probs[:limit]]
     best_n = min(min_nodes, limit)
     expected = 1.0 + float(sum(probs[:best_n]))
     best_rate = expected / curve.seconds(best_n)
@@ -196,7 +204,7 @@ class AcceptanceCalibration:
             return 1.0
         accepted = sum(self._accepted)
         means = [(n, lp / n) for n, lp in zip(self._seen, self._log_p, strict=True) if n > 1e-9]
-        lo, hi = 0.02, 30.0  # predicted(gamma) falls as gamma grows (every ln p <= 0)
+        lo, hi = GAMMA_RANGE  # predicted(gamma) falls as gamma grows (every ln p <= 0)
         for _ in range(40):
             mid = math.sqrt(lo * hi)
             if sum(n * math.exp(mid * m) for n, m in means) > accepted:

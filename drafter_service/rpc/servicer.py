@@ -116,7 +116,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         tree, confirmed = self.service.draft(request.session_id, request.accepted, request.max_nodes,
                                              request.report_only, request.step_seconds, request.plain_step_seconds,
                                              caller=self._caller(context), cost_nodes=request.cost_nodes,
-                                             cost_seconds=request.cost_seconds)
+                                             cost_seconds=request.cost_seconds,
+                                             estimate_exponent=request.estimate_exponent)
         return tree_message(tree, confirmed)
 
     def DraftStream(self, requests: Iterator[pb.DraftRequest], context: grpc.ServicerContext
@@ -125,7 +126,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         for request in requests:
             tree, confirmed = draft(request.session_id, request.accepted, request.max_nodes,
                                     request.report_only, request.step_seconds, request.plain_step_seconds,
-                                    caller=caller, cost_nodes=request.cost_nodes, cost_seconds=request.cost_seconds)
+                                    caller=caller, cost_nodes=request.cost_nodes, cost_seconds=request.cost_seconds,
+                                    estimate_exponent=request.estimate_exponent)
             yield tree_message(tree, confirmed)
 
     def DraftBatch(self, request: pb.DraftBatchRequest, context: grpc.ServicerContext) -> pb.DraftBatchResponse:

@@ -157,7 +157,7 @@ class DrafterService:
     def draft(self, session_id: str, accepted: TokenIds, max_nodes: int = 0, report_only: bool = False,
               step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
               caller: Caller | None = None, cost_nodes: Sequence[float] = (),
-              cost_seconds: Sequence[float] = ()) -> tuple[DraftTree, int]:
+              cost_seconds: Sequence[float] = (), estimate_exponent: float = 0.0) -> tuple[DraftTree, int]:
         """Correct the session with ``accepted`` and draft the next tree (none when ``report_only``).
 
         Everything is validated here, once; the layers below trust their arguments.
@@ -167,13 +167,16 @@ class DrafterService:
         time against draft nodes (points of its curve); given, the tree is cut to the prefix that maximises
         expected tokens per second by the namespace's acceptance estimates (``best_prefix``); when drafting does
         not pay, only the best node is left, which the engine verifies now and then to see whether it pays again.
+        ``estimate_exponent`` (0: 1) is the engine's calibration of the estimates: the cut uses ``p ** exponent``.
         """
         self._check_step_times(step_seconds, plain_step_seconds)
         curve = self._cost_curve(cost_nodes, cost_seconds)
+        if not 0.0 <= estimate_exponent <= 100.0:  # also refuses NaN
+            raise InvalidArgument(f"estimate_exponent must be in [0, 100], got {estimate_exponent}")
         tree, confirmed = self._draft_step(session_id, accepted, max_nodes, report_only, step_seconds,
                                            plain_step_seconds, caller or TRUSTED)
         if curve is not None and len(tree):  # the best node stays, for the engine to probe with when it chooses
-            tree = tree.prefix(max(1, best_prefix(tree.probs, curve)))
+            tree = tree.prefix(max(1, best_prefix(tree.probs, curve, exponent=estimate_exponent or 1.0)))
         return tree, confirmed
 
     @staticmethod

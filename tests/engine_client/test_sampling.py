@@ -297,7 +297,8 @@ class ScriptedSource:
         self.ctx = list(prompt)
         return "s"
 
-    def draft(self, session, accepted, max_nodes=0, step_seconds=0.0, plain_step_seconds=0.0, verify_cost=()):
+    def draft(self, session, accepted, max_nodes=0, step_seconds=0.0, plain_step_seconds=0.0, verify_cost=(),
+              estimate_exponent=0.0):
         self.ctx += list(accepted)
         t = mixed_tree(self.ctx, self.rng)
         probs = tuple(1.0 for _ in t.tokens)

@@ -36,7 +36,8 @@ class Scripted:
     def start(self, prompt, max_nodes=0):
         return "s"
 
-    def draft(self, session, accepted, max_nodes=0, step_seconds=0.0, plain_step_seconds=0.0, verify_cost=()):
+    def draft(self, session, accepted, max_nodes=0, step_seconds=0.0, plain_step_seconds=0.0, verify_cost=(),
+              estimate_exponent=0.0):
         self.pos += len(accepted)
         return self.shape(self.truth[self.pos:])
 

@@ -42,6 +42,13 @@ def test_the_tree_is_cut_to_its_best_prefix_for_the_engines_cost(address):
             want = max(1, best_prefix(full.probs, StepCostCurve.from_points(*zip(*cost, strict=True))))
             assert cut.token_ids == full.token_ids[:want] and cut.parents == full.parents[:want]
         assert len(cut) == 1  # nothing pays at 5 plain steps per node: the best node stays, for probing
+        cost = steep(0.05)
+        sure = client.draft(client.start(DOC[:30]), [], verify_cost=cost, estimate_exponent=0.25)
+        doubt = client.draft(client.start(DOC[:30]), [], verify_cost=cost, estimate_exponent=4.0)
+        curve = StepCostCurve.from_points(*zip(*cost, strict=True))
+        assert len(sure) == max(1, best_prefix([p ** 0.25 for p in full.probs], curve))
+        assert len(doubt) == max(1, best_prefix([p ** 4.0 for p in full.probs], curve))
+        assert len(sure) > len(doubt)  # an engine that sees more accepted than estimated is sent more
 
 
 def test_bad_cost_curves_are_refused_and_change_nothing(address):
@@ -51,11 +58,16 @@ def test_bad_cost_curves_are_refused_and_change_nothing(address):
         for bad in ([(0.0, 0.0)], [(-1.0, 0.1)], [(0.0, float("nan"))], [(float(n), 0.1) for n in range(65)]):
             with pytest.raises(DrafterRequestError, match="cost point"):
                 client.draft(sid, DOC[30:32], verify_cost=bad)
+        for exponent in (-1.0, float("nan"), 101.0):
+            with pytest.raises(DrafterRequestError, match="estimate_exponent"):
+                client.draft(sid, DOC[30:32], verify_cost=steep(0.1), estimate_exponent=exponent)
         assert len(client.draft(sid, DOC[30:32])) > 0  # the refused calls recorded nothing: the tokens go now
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.DrafterStub(channel)
         stub.StartSession(pb.StartSessionRequest(session_id="raw", prompt=DOC[:30]))
-        for nodes, seconds in (([0.0, 1.0], [0.1]), ([0.0], [-0.1]), ([float("inf")], [0.1])):
+        for nodes, seconds, exponent in (([0.0, 1.0], [0.1], 0.0), ([0.0], [-0.1], 0.0), ([float("inf")], [0.1], 0.0),
+                                         ([0.0], [0.1], -2.0)):
             with pytest.raises(grpc.RpcError) as err:
-                stub.Draft(pb.DraftRequest(session_id="raw", cost_nodes=nodes, cost_seconds=seconds))
+                stub.Draft(pb.DraftRequest(session_id="raw", cost_nodes=nodes, cost_seconds=seconds,
+                                           estimate_exponent=exponent))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -46,7 +46,7 @@ class StartSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "accepted", "max_nodes", "report_only", "step_seconds", "plain_step_seconds", "cost_nodes", "cost_seconds")
+    __slots__ = ("session_id", "accepted", "max_nodes", "report_only", "step_seconds", "plain_step_seconds", "cost_nodes", "cost_seconds", "estimate_exponent")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class DraftRequest(_message.Message):
     PLAIN_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COST_NODES_FIELD_NUMBER: _ClassVar[int]
     COST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_EXPONENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     accepted: _containers.RepeatedScalarFieldContainer[int]
     max_nodes: int
@@ -63,7 +64,8 @@ class DraftRequest(_message.Message):
     plain_step_seconds: float
     cost_nodes: _containers.RepeatedScalarFieldContainer[float]
     cost_seconds: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, session_id: _Optional[str] = ..., accepted: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., report_only: _Optional[bool] = ..., step_seconds: _Optional[float] = ..., plain_step_seconds: _Optional[float] = ..., cost_nodes: _Optional[_Iterable[float]] = ..., cost_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+    estimate_exponent: float
+    def __init__(self, session_id: _Optional[str] = ..., accepted: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., report_only: _Optional[bool] = ..., step_seconds: _Optional[float] = ..., plain_step_seconds: _Optional[float] = ..., cost_nodes: _Optional[_Iterable[float]] = ..., cost_seconds: _Optional[_Iterable[float]] = ..., estimate_exponent: _Optional[float] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("token_ids", "parents", "probs", "score", "sources", "confirmed")
