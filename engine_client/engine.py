@@ -179,7 +179,7 @@ class ReferenceEngine:
                 if len(tree) > self.max_nodes:
                     tree = tree.prefix(self.max_nodes)
                 if self.adaptive and len(tree):
-                    tree = tree.prefix(self.budget.choose(tree.probs, self.max_nodes))
+                    tree = tree.prefix(self.budget.choose(tree.probs, self.max_nodes, tree.parents))
                 t1 = time.perf_counter()
                 n = len(tree)
                 mask = None

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AcceptanceCalibration", "StepCostCurve", "VerifyBudget", "best_prefix"]
+__all__ = ["AcceptanceCalibration", "StepCostCurve", "VerifyBudget", "best_prefix", "consistent_tree"]
 
 #: Node counts whose step times the curve keeps apart (a step of n nodes falls in the last point <= n).
 GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
@@ -120,8 +120,29 @@ class StepCostCurve:
         return self.seconds(0)
 
 
+def consistent_tree(values: Sequence[float], parents: Sequence[int]) -> list[float]:
+    """Path acceptance probabilities made consistent with the tree: a node is accepted only if its parent is, and
+    at most one of a node's children is, so siblings' values are scaled down to sum to at most their parent's.
+
+    Calibrating each node on its own (``p ** gamma`` with gamma < 1 lifts every estimate) would otherwise count
+    two siblings at 0.7 each as 1.4 expected tokens.
+
+    Args:
+        values: (n,) each node's probability, parents before children.
+        parents: (n,) each node's parent (-1: the root).
+    """
+    sums: dict[int, float] = {}
+    for v, parent in zip(values, parents, strict=True):
+        sums[parent] = sums.get(parent, 0.0) + float(v)
+    out: list[float] = []
+    for v, parent in zip(values, parents, strict=True):
+        above = out[parent] if parent >= 0 else 1.0
+        out.append(float(v) * min(1.0, above / sums[parent]) if sums[parent] > 0 else 0.0)
+    return out
+
+
 def best_prefix(probs: Sequence[float], curve: StepCostCurve, min_nodes: int = 0, max_nodes: int | None = None,
-                exponent: float = 1.0) -> int:
+                exponent: float = 1.0, parents: Sequence[int] | None = None) -> int:
     """Nodes to keep so that (1 + expected accepted) / step time is highest (0: a plain step pays best).
 
     Args:
@@ -129,7 +150,9 @@ def best_prefix(probs: Sequence[float], curve: StepCostCurve, min_nodes: int = 0
         curve: the step's time against nodes verified; before any measurement every node is kept.
         min_nodes: keep at least this many (when the tree has them).
         max_nodes: consider at most this many.
-        exponent: each probability is raised to it first (an engine's calibration of the estimates).
+        exponent: each probability is raised to it first (an engine's calibration of the estimates), then, given
+            ``parents``, made consistent with the tree (``consistent_tree``).
+        parents: the nodes' parents, parents before children.
 
     Returns:
         how many leading nodes to verify (``DraftTree.prefix`` keeps a valid tree).
@@ -139,6 +162,8 @@ def best_prefix(probs: Sequence[float], curve: StepCostCurve, min_nodes: int = 0
         return limit
     if exponent != 1.0:
         probs = [float(p) ** exponent for p in probs[:limit]]
+        if parents is not None:
+            probs = consistent_tree(probs, parents[:limit])
     best_n = min(min_nodes, limit)
     expected = 1.0 + float(sum(probs[:best_n]))
     best_rate = expected / curve.seconds(best_n)
@@ -266,17 +291,21 @@ class VerifyBudget:
         largest = self.curve.largest_measured()
         return 2 if largest < 0 else int(self.growth * largest) + 2
 
-    def choose(self, probs: Sequence[float], limit: int | None = None) -> int:
+    def choose(self, probs: Sequence[float], limit: int | None = None, parents: Sequence[int] | None = None) -> int:
         """How many leading nodes of a best-first tree with estimates ``probs`` to verify.
 
         Args:
             probs: (n,) the drafter's acceptance estimates, in tree order.
             limit: verify at most this many (the engine's own cap).
+            parents: (n,) the tree's parents; given, the calibrated values are made consistent with the tree
+                (``consistent_tree``); without, the nodes are taken as one chain.
         """
         cap = min(len(probs), self.explore_limit() if limit is None else min(limit, self.explore_limit()))
         if not self.curve.measured:
             return min(cap, self.min_nodes)  # the first step measures t(0) (or the minimum asked for)
-        n = best_prefix(self.calibration.calibrate(probs[:cap]), self.curve, self.min_nodes, cap)
+        values = (consistent_tree(self.calibration.calibrate(probs[:cap]), parents[:cap]) if parents is not None
+                  else self.calibration.calibrate_chain(probs[:cap]))
+        n = best_prefix(values, self.curve, self.min_nodes, cap)
         self._probing = False
         if n == 0 and cap > 0:
             self._idle += 1

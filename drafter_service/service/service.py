@@ -176,7 +176,8 @@ class DrafterService:
         tree, confirmed = self._draft_step(session_id, accepted, max_nodes, report_only, step_seconds,
                                            plain_step_seconds, caller or TRUSTED)
         if curve is not None and len(tree):  # the best node stays, for the engine to probe with when it chooses
-            tree = tree.prefix(max(1, best_prefix(tree.probs, curve, exponent=estimate_exponent or 1.0)))
+            tree = tree.prefix(max(1, best_prefix(tree.probs, curve, exponent=estimate_exponent or 1.0,
+                                                  parents=tree.parents)))
         return tree, confirmed
 
     @staticmethod

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from engine_client.verify_budget import AcceptanceCalibration, StepCostCurve, VerifyBudget, best_prefix
+from engine_client.verify_budget import AcceptanceCalibration, StepCostCurve, VerifyBudget, best_prefix, consistent_tree
 
 
 def piecewise(points):
@@ -191,3 +191,13 @@ def test_never_slower_than_plain_and_close_to_the_best_fixed_budget(machine, tru
     fixed = {n: simulate(machine, true_q, est_q, lambda probs, n=n: min(n, len(probs))) for n in FIXED}
     assert ours >= 0.97 * fixed[0]
     assert ours >= 0.95 * max(fixed.values())
+
+
+def test_calibrated_trees_stay_consistent_siblings_share_their_parent():
+    # root -> a (0.5) -> c (0.45), root -> b (0.45), a -> d (0.3): lifted by a power law, then made consistent
+    parents = [-1, -1, 0, 0]
+    lifted = [p ** 0.25 for p in (0.5, 0.45, 0.45, 0.3)]
+    out = consistent_tree(lifted, parents)
+    assert out[0] + out[1] == pytest.approx(1.0)  # two children of the root: at most one is accepted
+    assert out[2] + out[3] <= out[0] + 1e-12 and out[2] / out[3] == pytest.approx(lifted[2] / lifted[3])
+    assert consistent_tree([0.9, 0.8], [-1, 0]) == [0.9, 0.8]  # already consistent: unchanged
