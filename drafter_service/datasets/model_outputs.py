@@ -9,6 +9,7 @@ generates only the requests that file does not hold yet and a larger load extend
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 import time
 from collections.abc import Callable
@@ -44,8 +45,11 @@ BATCH_SIZE = 16
 #: Prompts sorted by length together (into batches of similar lengths) and cached together.
 CHUNK_SIZE = 4 * BATCH_SIZE
 
-#: torch threads while generating.
+#: torch threads while generating, unless :data:`THREADS_ENV` says otherwise.
 THREADS = 2
+
+#: Environment variable that overrides :data:`THREADS` (on a busy machine one thread can beat two by far).
+THREADS_ENV = "DRAFTER_GENERATE_THREADS"
 
 #: Bump when the prompts or the generation settings change, so stale cache files are not read.
 CACHE_VERSION = 1
@@ -58,8 +62,24 @@ def _load_model() -> PreTrainedModel:
     return load_smollm2(torch.float32)
 
 
+class _StepCounter:
+    """A ``generate`` streamer that calls ``on_step()`` once per decoding step (not for the prompt)."""
+
+    def __init__(self, on_step: Callable[[], None]) -> None:
+        self.on_step = on_step
+        self.prompt_seen = False
+
+    def put(self, _tokens: object) -> None:
+        if self.prompt_seen:
+            self.on_step()
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
 def greedy_batch(model: Any, prompts: list[np.ndarray], max_new_tokens: int = MAX_NEW_TOKENS,
-                 eos: int = EOS) -> list[np.ndarray]:
+                 eos: int = EOS, on_step: Callable[[], None] | None = None) -> list[np.ndarray]:
     """Greedy answers to several prompts at once, left-padded, with transformers' ``generate``.
 
     The attention mask hides the padding and ``generate`` derives position ids from it, so each
@@ -70,6 +90,7 @@ def greedy_batch(model: Any, prompts: list[np.ndarray], max_new_tokens: int = MA
         prompts: (n_i,) integer token ids of each prompt, none empty.
         max_new_tokens: most tokens generated per prompt.
         eos: generation of a prompt stops after this token.
+        on_step: called after each decoding step (progress reports).
 
     Returns:
         (m_i,) int32 each answer, ending with ``eos`` or ``max_new_tokens`` long.
@@ -86,7 +107,8 @@ def greedy_batch(model: Any, prompts: list[np.ndarray], max_new_tokens: int = MA
         mask[row, width - len(prompt):] = 1
     with torch.inference_mode():
         out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos)
+                             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos,
+                             streamer=_StepCounter(on_step) if on_step else None)
     answers = []
     for row in out[:, width:].cpu().numpy().astype(np.int32):  # (new,) int32, eos-padded after its end
         ends = np.flatnonzero(row == eos)
@@ -119,16 +141,18 @@ def _matching_prefix(cached: list[Request], prompts: list[Prompt]) -> int:
     return n
 
 
-def _generate_chunk(model: Any, prompts: list[Prompt], on_batch: Callable[[int, int], None]) -> list[Request]:
+def _generate_chunk(model: Any, prompts: list[Prompt], on_batch: Callable[[int, int], None],
+                    on_step: Callable[[], None] | None = None) -> list[Request]:
     """Answer prompts in batches of similar lengths; the requests come back in the prompts' order.
 
-    ``on_batch(requests, tokens)`` is called after each batch with its size and the tokens it generated.
+    ``on_batch(requests, tokens)`` is called after each batch with its size and the tokens it generated,
+    ``on_step()`` after each decoding step.
     """
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].token_ids))
     outputs: dict[int, np.ndarray] = {}
     for start in range(0, len(order), BATCH_SIZE):
         batch = order[start:start + BATCH_SIZE]
-        answers = greedy_batch(model, [prompts[i].token_ids for i in batch], MAX_NEW_TOKENS)
+        answers = greedy_batch(model, [prompts[i].token_ids for i in batch], MAX_NEW_TOKENS, on_step=on_step)
         outputs.update(zip(batch, answers, strict=True))
         on_batch(len(batch), sum(len(a) for a in answers))
     return [Request(p.prompt_id, p.token_ids, outputs[i]) for i, p in enumerate(prompts)]
@@ -141,6 +165,7 @@ def load_model_outputs(name: str, limit: int | None) -> list[Request]:
     prompt ids (``gsm8k-0000``, ``HumanEval/0``). Answers are generated in float32 with
     :data:`THREADS` torch threads, :data:`CHUNK_SIZE` prompts at a time; after each chunk the cache
     file (the done prefix) is rewritten atomically, so an interrupted run keeps its finished chunks.
+    ``$DRAFTER_GENERATE_THREADS`` overrides the thread count.
 
     Args:
         name: one of :data:`MODEL_OUTPUT_SETS`.
@@ -172,21 +197,26 @@ def load_model_outputs(name: str, limit: int | None) -> list[Request]:
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(int(os.environ.get(THREADS_ENV) or THREADS))
     t0 = time.perf_counter()
-    tokens = 0
+    tokens = step = 0
     try:
         model = _load_model()
         with tqdm(total=len(missing), desc=f"{name}: generating", unit="req") as bar:
 
-            def progress(requests: int, new_tokens: int) -> None:
-                nonlocal tokens
-                tokens += new_tokens
+            def batch_done(requests: int, new_tokens: int) -> None:
+                nonlocal tokens, step
+                tokens, step = tokens + new_tokens, 0
                 bar.set_postfix(tokens=tokens, refresh=False)
                 bar.update(requests)
 
+            def step_done() -> None:  # a batch can take minutes: show its decoding step too
+                nonlocal step
+                step += 1
+                bar.set_postfix(tokens=tokens, step=step)
+
             for start in range(0, len(missing), CHUNK_SIZE):
-                done += _generate_chunk(model, missing[start:start + CHUNK_SIZE], progress)
+                done += _generate_chunk(model, missing[start:start + CHUNK_SIZE], batch_done, step_done)
                 write_requests(path, done)
     finally:
         torch.set_num_threads(threads)
