@@ -1,4 +1,4 @@
-"""Completed requests (prompt and output token ids) from real data sets, and their JSONL files."""
+"""Completed requests (prompt and output token ids) from real data sets, cached as request JSONL files."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import json
 import logging
 import pathlib
 import re
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from importlib.resources.abc import Traversable
-from typing import TextIO
 
 import numpy as np
 
-from drafter_service.datasets.cache import atomic_output, bundled_data, cache_dir
+from drafter_service.datasets.cache import bundled_data, cache_dir
+from drafter_service.datasets.json_array import iter_json_array
+from drafter_service.datasets.model_outputs import MODEL_OUTPUT_SETS, load_model_outputs
+from drafter_service.datasets.request_files import Request, read_requests, write_requests
 from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -32,13 +33,12 @@ __all__ = [
 #: Bump when tokenization or templates change, so stale cache files are not read.
 CACHE_VERSION = 1
 
-_MAX_TOKEN_ID = 2**31 - 1
-
 #: Data sets :func:`load_dataset` knows.
-DATASET_NAMES = ("mtbench", "sharegpt", "humaneval")
+DATASET_NAMES = ("mtbench", "sharegpt", "humaneval", *MODEL_OUTPUT_SETS)
 
 #: Requests loaded when no limit is given (None: all of them).
-DEFAULT_LIMITS: dict[str, int | None] = {"mtbench": None, "sharegpt": 3000, "humaneval": None}
+DEFAULT_LIMITS: dict[str, int | None] = {"mtbench": None, "sharegpt": 3000, "humaneval": None,
+                                         "smollm2-gsm8k": 500, "smollm2-humaneval": None}
 
 #: ShareGPT prompts longer than this keep only their last tokens.
 MAX_PROMPT_TOKENS = 4096
@@ -52,108 +52,6 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt
                    "bing": "assistant", "bard": "assistant", "system": "system"}
 
 _RawRequest = tuple[str, np.ndarray, np.ndarray]
-
-
-@dataclass(frozen=True, eq=False)
-class Request:
-    """One completed request: what the engine was asked and what the target model answered.
-
-    Attributes:
-        request_id: unique within its data set.
-        prompt: (n,) int32 prompt token ids (read-only).
-        output: (m,) int32 output token ids (read-only).
-    """
-
-    request_id: str
-    prompt: np.ndarray
-    output: np.ndarray
-
-    def __post_init__(self) -> None:
-        for name in ("prompt", "output"):
-            arr = np.array(getattr(self, name), dtype=np.int32, copy=True).reshape(-1)  # (k,) int32
-            arr.flags.writeable = False
-            object.__setattr__(self, name, arr)
-
-    def __repr__(self) -> str:
-        return f"Request({self.request_id!r}, prompt={len(self.prompt)} tokens, output={len(self.output)} tokens)"
-
-
-def _ids_json(arr: np.ndarray) -> str:
-    """A token array as a JSON list, without going through ``json.dumps`` element by element."""
-    return "[" + ",".join(map(str, arr.tolist())) + "]"
-
-
-def write_requests(path: str | pathlib.Path, requests: Iterable[Request]) -> int:
-    """Write requests as JSONL, one ``{"request_id", "prompt", "output"}`` object a line.
-
-    The file is replaced atomically: readers see the old or the new file, never a partial one.
-
-    Args:
-        path: the file to (over)write.
-        requests: the requests, in order.
-
-    Returns:
-        The number of requests written.
-    """
-    path = pathlib.Path(path)
-    count = 0
-    with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for req in requests:
-            f.write(f'{{"request_id": {json.dumps(req.request_id)}, "prompt": {_ids_json(req.prompt)}, '
-                    f'"output": {_ids_json(req.output)}}}\n')
-            count += 1
-    logger.debug("wrote %d requests to %s", count, path)
-    return count
-
-
-def _token_array(value: object, field: str, where: str) -> np.ndarray:
-    """Validate one token list from a JSONL line; return it as (k,) int32."""
-    if not isinstance(value, list):
-        raise ValueError(f"{where}: {field!r} must be a list of token ids, got {type(value).__name__}")
-    if not value:
-        return np.zeros(0, dtype=np.int32)
-    arr = np.asarray(value)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise ValueError(f"{where}: {field!r} must hold only integer token ids")
-    if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID:
-        raise ValueError(f"{where}: {field!r} holds a token id outside [0, 2^31)")
-    return arr.astype(np.int32)
-
-
-def _parse_line(line: str, where: str) -> Request:
-    """One JSONL line as a Request, or ValueError naming ``where``."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    missing = [k for k in ("request_id", "prompt", "output") if k not in obj]
-    if missing:
-        raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
-    if not isinstance(obj["request_id"], str):
-        raise ValueError(f"{where}: 'request_id' must be a string")
-    return Request(obj["request_id"], _token_array(obj["prompt"], "prompt", where),
-                   _token_array(obj["output"], "output", where))
-
-
-def read_requests(path: str | pathlib.Path) -> Iterator[Request]:
-    """Stream requests from a JSONL file written by :func:`write_requests` (blank lines are skipped).
-
-    Args:
-        path: the file.
-
-    Yields:
-        The requests in file order.
-
-    Raises:
-        ValueError: on a malformed line; the message names the file and the 1-based line number.
-    """
-    path = pathlib.Path(path)
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                yield _parse_line(line, f"{path}, line {lineno}")
 
 
 def _cache_path(name: str, limit: int | None) -> pathlib.Path:
@@ -214,50 +112,6 @@ def _mtbench_requests(folder: Traversable) -> Iterator[_RawRequest]:
             prompt, output = _encode_all([context, " " + answer])
             yield f"mtbench-{qid}-{turn}", prompt, output
             context += " " + answer
-
-
-def iter_json_array(f: TextIO, chunk_chars: int = 1 << 20) -> Iterator[object]:
-    """Stream the items of a JSON array, stopping cleanly (with a warning) at a truncated tail.
-
-    Args:
-        f: the file, opened as text.
-        chunk_chars: characters read at a time.
-
-    Yields:
-        Each complete item of the top-level array.
-
-    Raises:
-        ValueError: when the file does not start with ``[``.
-    """
-    decoder = json.JSONDecoder()
-    buf, pos, eof, started = "", 0, False, False
-    while True:
-        while pos < len(buf) and buf[pos] in " \t\r\n,":
-            pos += 1
-        if pos == len(buf):
-            if eof:
-                logger.warning("JSON array has no closing bracket; stopped at the end of the file")
-                return
-            buf, pos = f.read(chunk_chars), 0
-            eof = not buf
-            continue
-        if not started:
-            if buf[pos] != "[":
-                raise ValueError("not a JSON array (first character is not '[')")
-            started, pos = True, pos + 1
-            continue
-        if buf[pos] == "]":
-            return
-        try:
-            item, pos = decoder.raw_decode(buf, pos)
-        except json.JSONDecodeError:
-            if eof:
-                logger.warning("JSON array truncated: ignored its last %d characters", len(buf) - pos)
-                return
-            chunk = f.read(chunk_chars)
-            buf, pos, eof = buf[pos:] + chunk, 0, not chunk
-            continue
-        yield item
 
 
 def _sharegpt_requests() -> Iterator[_RawRequest]:
@@ -324,10 +178,17 @@ def load_dataset(name: str, limit: int | None = None) -> list[Request]:
     :func:`~drafter_service.datasets.cache.cache_dir`; later loads read that file (or the prefix of a
     larger cached load).
 
+    ``"smollm2-gsm8k"`` (1319 GSM8K test questions) and ``"smollm2-humaneval"`` (164 problems) are
+    SmolLM2-135M-Instruct's own greedy answers (float32, up to 256 tokens, ending with ``<|im_end|>``)
+    to the chat prompts of :mod:`~drafter_service.datasets.prompts`: the requests asked for and not
+    cached yet are generated by the model (minutes on a CPU), then cached
+    (:func:`~drafter_service.datasets.model_outputs.load_model_outputs`).
+
     Args:
         name: one of :data:`DATASET_NAMES`.
         limit: at most this many requests, in source order; ``None`` takes the data set's default
-            (:data:`DEFAULT_LIMITS`: all of mtbench and humaneval, the first 3000 ShareGPT answers).
+            (:data:`DEFAULT_LIMITS`: all of mtbench, humaneval and smollm2-humaneval, the first 3000
+            ShareGPT answers, the first 500 smollm2-gsm8k answers).
 
     Returns:
         The requests.
@@ -341,6 +202,8 @@ def load_dataset(name: str, limit: int | None = None) -> list[Request]:
         limit = DEFAULT_LIMITS[name]
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
+    if name in MODEL_OUTPUT_SETS:
+        return load_model_outputs(name, limit)
     cached = _cached_superset(name, limit)
     if cached is not None:
         try:
