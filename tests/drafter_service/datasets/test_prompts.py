@@ -38,6 +38,7 @@ def test_question_length_cap() -> None:
 
 
 def test_e2e_prompts_keeps_its_names() -> None:
-    assert e2e_prompts.load_prompts is load_prompts
-    assert set(e2e_prompts.E2E_DATASETS) == {"gsm8k", "humaneval", "sharegpt"}
+    assert set(e2e_prompts.E2E_DATASETS) == {"gsm8k", "humaneval", "sharegpt", "random"}
+    assert [p.token_ids.tolist() for p in e2e_prompts.load_prompts("humaneval", 2)] == [
+        p.token_ids.tolist() for p in load_prompts("humaneval", 2)]
     assert [p.prompt_id for p in e2e_prompts.load_prompts("humaneval", 2)] == ["HumanEval/0", "HumanEval/1"]
