@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from engine_client.draft_source import DraftSource, DraftTree, NoDrafts
+from engine_client.draft_source import EMPTY_TREE, DraftSource, DraftTree, NoDrafts
 from engine_client.kv_cache import keep_block_entries, new_cache, trim_to_windows
 from engine_client.tree_attention import model_tree_mask, tree_positions
 from engine_client.verification import Verdict, greedy_verify, sample_verify
@@ -161,6 +161,7 @@ class ReferenceEngine:
         tokens: list[int] = []
         steps: list[StepStats] = []
         since_last: list[int] = []
+        pending: list[int] = []  # tokens of steps that asked for no draft, not sent to the source yet
         with torch.inference_mode():
             cache = new_cache(self.config)
             if len(prompt) > 1:
@@ -172,13 +173,19 @@ class ReferenceEngine:
             while len(tokens) < max_new_tokens:
                 t0 = time.perf_counter()
                 curve = self.budget.curve
-                tree = source.draft(session, since_last, self.max_nodes, step_seconds=step_seconds,
-                                    plain_step_seconds=curve.plain_seconds(),
-                                    verify_cost=curve.points() if self.adaptive else (),
-                                    estimate_exponent=self.budget.calibration.gamma if self.adaptive else 0.0)
+                if self.adaptive and not self.budget.wants_draft():  # drafting is off: the tokens go with the next
+                    self.budget.skip()                                 # request for a draft, or at the end
+                    tree = EMPTY_TREE
+                    pending += since_last
+                else:
+                    tree = source.draft(session, pending + since_last, self.max_nodes, step_seconds=step_seconds,
+                                        plain_step_seconds=curve.plain_seconds(),
+                                        verify_cost=curve.points() if self.adaptive else (),
+                                        estimate_exponent=self.budget.calibration.gamma if self.adaptive else 0.0)
+                    pending = []
                 if len(tree) > self.max_nodes:
                     tree = tree.prefix(self.max_nodes)
-                if self.adaptive and len(tree):
+                if self.adaptive:
                     tree = tree.prefix(self.budget.choose(tree.probs, self.max_nodes, tree.parents))
                 t1 = time.perf_counter()
                 n = len(tree)
@@ -207,7 +214,7 @@ class ReferenceEngine:
                 since_last = new
                 if new[-1] in eos:
                     break
-        source.end(session, since_last)
+        source.end(session, pending + since_last)
         return GenerationResult(tokens, steps)
 
 

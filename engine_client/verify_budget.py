@@ -274,7 +274,7 @@ class VerifyBudget:
     """
 
     def __init__(self, curve: StepCostCurve | None = None, calibration: AcceptanceCalibration | None = None,
-                 probe_every: int = 16, growth: float = 2.0, min_nodes: int = 0, max_probe_every: int = 256) -> None:
+                 probe_every: int = 16, growth: float = 2.0, min_nodes: int = 0, max_probe_every: int = 64) -> None:
         if probe_every < 1 or growth < 1.0 or min_nodes < 0 or max_probe_every < probe_every:
             raise ValueError(f"need probe_every >= 1, growth >= 1, min_nodes >= 0; got {probe_every}, {growth}, "
                              f"{min_nodes}")
@@ -285,6 +285,16 @@ class VerifyBudget:
         self._idle = 0  # steps in a row that verified nothing though a draft was offered
         self._wait = probe_every  # idle steps before the next probe
         self._probing = False  # the last choice was a probe
+        self._off = False  # drafting does not pay: only probes ask for drafts
+
+    def wants_draft(self) -> bool:
+        """Whether the next step should ask for a draft at all: not while drafting is off between probes, so a
+        machine where nothing pays does not also pay a draft request every step."""
+        return not self._off or self._idle + 1 >= self._wait
+
+    def skip(self) -> None:
+        """Count a step taken without asking for a draft (``wants_draft`` said no)."""
+        self._idle += 1
 
     def explore_limit(self) -> int:
         """The most nodes a step may verify now (sizes grow from the largest measured one)."""
@@ -307,13 +317,13 @@ class VerifyBudget:
                   else self.calibration.calibrate_chain(probs[:cap]))
         n = best_prefix(values, self.curve, self.min_nodes, cap)
         self._probing = False
-        if n == 0 and cap > 0:
-            self._idle += 1
-            if self._idle >= self._wait:
+        if n == 0 and (cap > 0 or self._off):  # an empty draft while drafting is off counts as idle too
+            self._idle, self._off = self._idle + 1, True
+            if self._idle >= self._wait and cap > 0:
                 self._idle, self._probing = 0, True
                 return 1
         elif n:
-            self._idle, self._wait = 0, self.probe_every
+            self._idle, self._wait, self._off = 0, self.probe_every, False
         return n
 
     def choose_batch(self, chains: Sequence[Sequence[float]], limit: int, base_tokens: int | None = None) -> list[int]:
@@ -365,6 +375,7 @@ class VerifyBudget:
         self.curve.observe(nodes, seconds)
         if len(probs):
             self.calibration.observe(probs, accepted)
-        if self._probing:
+        if self._probing:  # an accepted probe: drafts are asked for again, and the next probe comes sooner
+            self._off = not any(accepted)
             self._wait = self.probe_every if any(accepted) else min(2 * self._wait, self.max_probe_every)
             self._probing = False

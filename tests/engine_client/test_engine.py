@@ -295,6 +295,9 @@ def test_adaptive_engine_sends_its_cost_curve_and_stops_verifying_confident_wron
     late = result.steps[len(result.steps) // 2:]
     assert sum(s.drafted for s in late) <= 2  # calibrated down: at most a probe node now and then
     assert engine.budget.calibration(0.9) < 0.5  # the estimate of 0.9 is calibrated well down
+    # while drafting is off the engine does not ask every step; every token still reaches the source, in order
+    assert len(source.calls) < len(result.steps) - 10
+    assert [t for call in source.calls for t in call[0]] + source.ended == truth[:40]
 
 
 def test_adaptive_engine_verifies_drafts_that_pay():

@@ -126,6 +126,21 @@ def test_a_probe_node_now_and_then_while_drafting_does_not_pay():
     assert [i for i, c in enumerate(choices) if c] == [3, 3 + 8, 3 + 16]
 
 
+def test_no_draft_is_asked_for_between_probes_while_drafting_is_off():
+    budget = VerifyBudget(probe_every=4, max_probe_every=4)
+    for n in range(4):
+        budget.observe(n, 0.1 * (1 + n))
+    asked = []
+    for step in range(12):
+        if budget.wants_draft():
+            asked.append(step)
+            n = budget.choose([0.3])
+            budget.observe(n, 0.1 * (1 + n), [0.3][:n], [False][:n])
+        else:
+            budget.skip()
+    assert asked == [0, 3, 7, 11]  # the first idle step, then only the probes (every 4th step)
+
+
 def test_batch_takes_each_chain_in_order_and_only_what_pays():
     steep = VerifyBudget()
     for n in range(0, 40, 4):
