@@ -25,6 +25,7 @@ from engine_client.client_common import (
     IngestBuffer,
     check_tokens,
 )
+from engine_client.verify_budget import cost_points_error
 
 logger = logging.getLogger(__name__)
 
@@ -337,19 +338,12 @@ class SessionBook:
     def cost_points(points: Sequence[tuple[float, float]], exponent: float = 0.0
                     ) -> tuple[list[float], list[float], float]:
         """A cost curve's ``(nodes, seconds)`` points as the request's two columns, and the estimates' exponent;
-        DrafterRequestError when bad (more than 64 points, negative nodes, seconds outside (0, 3600], an
-        exponent outside [0, 100])."""
-        if not 0.0 <= exponent <= 100.0:  # also refuses NaN
-            raise DrafterRequestError(f"estimate_exponent must be in [0, 100], got {exponent}")
-        if len(points) > 64:
-            raise DrafterRequestError(f"at most 64 cost points, got {len(points)}")
-        nodes, seconds = [], []
-        for n, t in points:
-            if not (0.0 <= n <= 1e6 and 0.0 < t <= 3600.0):  # also refuses NaN
-                raise DrafterRequestError(f"a cost point needs nodes in [0, 1e6] and seconds in (0, 3600]; "
-                                          f"got ({n}, {t})")
-            nodes.append(float(n))
-            seconds.append(float(t))
+        DrafterRequestError when bad (``cost_points_error``)."""
+        nodes = [float(n) for n, _ in points]
+        seconds = [float(t) for _, t in points]
+        error = cost_points_error(nodes, seconds, exponent)
+        if error:
+            raise DrafterRequestError(error)
         return nodes, seconds, float(exponent)
 
     def next_step(self, state: SessionState, max_nodes: int, report: bool) -> tuple[str, list[int], int, Pending]:

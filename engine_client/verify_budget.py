@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AcceptanceCalibration", "StepCostCurve", "VerifyBudget", "best_prefix", "consistent_tree"]
+__all__ = ["AcceptanceCalibration", "MAX_COST_POINTS", "StepCostCurve", "VerifyBudget", "best_prefix",
+           "consistent_tree", "cost_points_error"]
 
 #: Node counts whose step times the curve keeps apart (a step of n nodes falls in the last point <= n).
 GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
@@ -32,6 +33,24 @@ GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512
 
 #: Bounds of the calibration's power law: beyond them one workload's extremes would rule every estimate.
 GAMMA_RANGE = (0.25, 4.0)
+
+#: Most points of a cost curve a Draft request may carry.
+MAX_COST_POINTS = 64
+
+
+def cost_points_error(nodes: Sequence[float], seconds: Sequence[float], exponent: float = 0.0) -> str:
+    """Why a Draft request's cost curve (``cost_nodes``, ``cost_seconds``) or ``estimate_exponent`` is malformed;
+    "" when they are fine. The client and the service both check with it, each raising its own error."""
+    if not 0.0 <= exponent <= 100.0:  # also refuses NaN
+        return f"estimate_exponent must be in [0, 100], got {exponent}"
+    if len(nodes) > MAX_COST_POINTS:
+        return f"at most {MAX_COST_POINTS} cost points, got {len(nodes)}"
+    if len(nodes) != len(seconds):
+        return f"{len(nodes)} cost_nodes but {len(seconds)} cost_seconds"
+    for n, t in zip(nodes, seconds, strict=True):
+        if not (0.0 <= n <= 1e6 and 0.0 < t <= 3600.0):  # also refuses NaN
+            return f"a cost point needs nodes in [0, 1e6] and seconds in (0, 3600]; got ({n}, {t})"
+    return ""
 
 
 class StepCostCurve:
@@ -50,16 +69,20 @@ class StepCostCurve:
         self._sn = [0.0] * len(GRID)
         self._st = [0.0] * len(GRID)
         self._points: list[tuple[float, float]] | None = []
+        self._sizes: list[float] = []  # the points' sizes, for bisecting
 
     @classmethod
     def from_points(cls, nodes: Sequence[float], seconds: Sequence[float]) -> StepCostCurve:
-        """A curve through given ``(nodes, seconds)`` points, as an engine sends them with a Draft request."""
-        if len(nodes) != len(seconds):
-            raise ValueError(f"{len(nodes)} node counts but {len(seconds)} step times")
+        """A curve through given ``(nodes, seconds)`` points, as an engine sends them with a Draft request.
+
+        Raises:
+            ValueError: the points are malformed (``cost_points_error``).
+        """
+        error = cost_points_error(nodes, seconds)
+        if error:
+            raise ValueError(error)
         curve = cls()
         for n, t in zip(nodes, seconds, strict=True):
-            if not (n >= 0 and t > 0):
-                raise ValueError(f"a cost point needs nodes >= 0 and seconds > 0; got ({n}, {t})")
             curve.observe(n, t)
         return curve
 
@@ -82,7 +105,7 @@ class StepCostCurve:
                 if w > 0.0:
                     t = st / w
                     pts.append((sn / w, max(t, pts[-1][1]) if pts else t))
-            self._points = pts
+            self._points, self._sizes = pts, [n for n, _ in pts]
         return self._points
 
     @property
@@ -104,16 +127,12 @@ class StepCostCurve:
         pts = self.points()
         if not pts:
             return 0.0
-        if nodes >= pts[-1][0]:
+        if len(pts) == 1 or nodes >= pts[-1][0]:
             return pts[-1][1]
-        if len(pts) == 1 or nodes <= pts[0][0]:
-            if len(pts) == 1:
-                return pts[0][1]
-            (n0, t0), (n1, t1) = pts[0], pts[1]
-            return max(t0 - (t1 - t0) / (n1 - n0) * (n0 - nodes), 0.5 * t0) if n1 > n0 else t0
-        i = bisect.bisect_left([p[0] for p in pts], nodes)
+        i = max(1, bisect.bisect_left(self._sizes, nodes))  # below the smallest size: the first two points' line
         (n0, t0), (n1, t1) = pts[i - 1], pts[i]
-        return t0 + (t1 - t0) * (nodes - n0) / (n1 - n0) if n1 > n0 else t1
+        est = t0 + (t1 - t0) * (nodes - n0) / (n1 - n0) if n1 > n0 else t1
+        return max(est, 0.5 * t0)
 
     def plain_seconds(self) -> float:
         """``t(0)``: seconds of a plain decode step, estimated; 0 before any step."""
@@ -276,8 +295,8 @@ class VerifyBudget:
     def __init__(self, curve: StepCostCurve | None = None, calibration: AcceptanceCalibration | None = None,
                  probe_every: int = 16, growth: float = 2.0, min_nodes: int = 0, max_probe_every: int = 64) -> None:
         if probe_every < 1 or growth < 1.0 or min_nodes < 0 or max_probe_every < probe_every:
-            raise ValueError(f"need probe_every >= 1, growth >= 1, min_nodes >= 0; got {probe_every}, {growth}, "
-                             f"{min_nodes}")
+            raise ValueError(f"need probe_every >= 1, growth >= 1, min_nodes >= 0, max_probe_every >= probe_every; "
+                             f"got {probe_every}, {growth}, {min_nodes}, {max_probe_every}")
         self.curve = curve if curve is not None else StepCostCurve()
         self.calibration = calibration if calibration is not None else AcceptanceCalibration()
         self.probe_every, self.growth, self.min_nodes = probe_every, float(growth), min_nodes
@@ -354,7 +373,9 @@ class VerifyBudget:
         best_total = 0
         order: list[int] = []
         for p, r, j in candidates:
-            if j != taken[r] or total >= cap:  # a chain's tokens only in order
+            if total >= cap:
+                break
+            if j != taken[r]:  # a chain's tokens only in order
                 continue
             taken[r] += 1
             order.append(r)

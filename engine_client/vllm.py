@@ -70,8 +70,8 @@ class ProposerSettings:
 
         DRAFTER_ADDRESS, DRAFTER_NAMESPACE, DRAFTER_TIMEOUT, DRAFTER_MAX_NODES, DRAFTER_CHAIN_MIN_PROB,
         DRAFTER_PROPOSER_STATS, DRAFTER_COST_AWARE (0 turns it off), and the TLS and token variables the
-        ``drafter`` commands read (DRAFTER_TOKEN,
-        DRAFTER_TLS, DRAFTER_TLS_ROOT_CA, DRAFTER_TLS_CLIENT_CERT, DRAFTER_TLS_CLIENT_KEY, DRAFTER_TLS_SERVER_NAME).
+        ``drafter`` commands read (DRAFTER_TOKEN, DRAFTER_TLS, DRAFTER_TLS_ROOT_CA, DRAFTER_TLS_CLIENT_CERT,
+        DRAFTER_TLS_CLIENT_KEY, DRAFTER_TLS_SERVER_NAME).
 
         Raises:
             ValueError: a value that is not a number, or inconsistent TLS settings.
@@ -224,6 +224,8 @@ class RequestTracker:
         last, self._last_step = self._last_step, None
         if self.budget is None or last is None:
             return
+        estimates: list[float] = []
+        outcomes: list[bool] = []
         for req_id, new in zip(req_ids, sampled, strict=True):
             chain = proposed.get(req_id)
             if chain is not None and len(new):
@@ -231,7 +233,9 @@ class RequestTracker:
                 accepted = 0
                 while accepted < min(len(toks), len(new) - 1) and new[accepted] == toks[accepted]:
                     accepted += 1
-                self.budget.calibration.observe(probs, [j < accepted for j in range(len(toks))])
+                estimates += probs
+                outcomes += [j < accepted for j in range(len(toks))]
+        self.budget.calibration.observe(estimates, outcomes)  # one step: its evidence decays once
         at, rows, tokens = last
         if rows == len(sampled) and all(len(new) for new in sampled):
             self.budget.curve.observe(tokens, self.clock() - at)

@@ -20,7 +20,7 @@ from drafter_service.service.auth import TRUSTED, Authorizer, Caller
 from drafter_service.service.batch import BatchEnd, BatchOutcome, BatchStart, BatchStep
 from drafter_service.service.config import ServiceConfig
 from drafter_service.service.session_routes import SessionRoutes
-from engine_client.verify_budget import StepCostCurve, best_prefix
+from engine_client.verify_budget import StepCostCurve, best_prefix, cost_points_error
 from store.persistence import RedisPersistence
 
 if TYPE_CHECKING:
@@ -170,29 +170,16 @@ class DrafterService:
         ``estimate_exponent`` (0: 1) is the engine's calibration of the estimates: the cut uses ``p ** exponent``.
         """
         self._check_step_times(step_seconds, plain_step_seconds)
-        curve = self._cost_curve(cost_nodes, cost_seconds)
-        if not 0.0 <= estimate_exponent <= 100.0:  # also refuses NaN
-            raise InvalidArgument(f"estimate_exponent must be in [0, 100], got {estimate_exponent}")
+        error = cost_points_error(cost_nodes, cost_seconds, estimate_exponent)
+        if error:
+            raise InvalidArgument(error)
+        curve = StepCostCurve.from_points(cost_nodes, cost_seconds) if len(cost_nodes) else None
         tree, confirmed = self._draft_step(session_id, accepted, max_nodes, report_only, step_seconds,
                                            plain_step_seconds, caller or TRUSTED)
         if curve is not None and len(tree):  # the best node stays, for the engine to probe with when it chooses
             tree = tree.prefix(max(1, best_prefix(tree.probs, curve, exponent=estimate_exponent or 1.0,
                                                   parents=tree.parents)))
         return tree, confirmed
-
-    @staticmethod
-    def _cost_curve(nodes: Sequence[float], seconds: Sequence[float]) -> StepCostCurve | None:
-        """The engine's cost curve from a request's points; None when it gave none."""
-        if not len(nodes) and not len(seconds):
-            return None
-        if len(nodes) > 64:
-            raise InvalidArgument(f"at most 64 cost points, got {len(nodes)}")
-        if len(nodes) != len(seconds):
-            raise InvalidArgument(f"{len(nodes)} cost_nodes but {len(seconds)} cost_seconds")
-        for n, t in zip(nodes, seconds, strict=True):
-            if not (0.0 <= n <= 1e6 and 0.0 < t <= 3600.0):  # also refuses NaN
-                raise InvalidArgument(f"a cost point needs nodes in [0, 1e6] and seconds in (0, 3600]; got ({n}, {t})")
-        return StepCostCurve.from_points(nodes, seconds)
 
     def _draft_step(self, session_id: str, accepted: TokenIds, max_nodes: int, report_only: bool,
                     step_seconds: float, plain_step_seconds: float, caller: Caller) -> tuple[DraftTree, int]:
