@@ -54,6 +54,9 @@ def add_e2e_bench(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset", action="append", choices=E2E_DATASETS, help="workload (repeatable; default gsm8k)")
     p.add_argument("--warm", type=int, default=40, help="earlier requests of the workload that warm the service")
     p.add_argument("--requests", type=int, default=12, help="measured requests per workload")
+    p.add_argument("--engine-warm", type=int, default=2,
+                   help="last warm requests each adaptive engine generates, untimed, before measuring: its verify "
+                   "budget then starts from what it learned, as in an engine that has been serving")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--max-nodes", type=int, default=64, help="most draft nodes verified per step")
     p.add_argument("--fixed-budget", action="store_true",
@@ -156,6 +159,13 @@ def fixed_budgets(args: argparse.Namespace) -> list[int]:
     return sorted(set(out))
 
 
+def settling_prompts(warm: Sequence[Prompt], count: int) -> list[Prompt]:
+    """The warm requests an adaptive engine generates before measuring (the last ``count``; none for 0)."""
+    if count < 0:
+        raise SystemExit(f"--engine-warm must be >= 0, got {count}")
+    return list(warm[len(warm) - min(count, len(warm)):])
+
+
 def method_order(method: str) -> tuple[int, int]:
     """Where a method runs among a prompt's methods (fixed-N after drafter's, by N)."""
     if method.startswith("fixed-"):
@@ -200,6 +210,9 @@ def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel,
 
             _warm(dataset, warm, generated, client, f"{args.dtype}-{args.max_new_tokens}")
         engine_run(plain, measured[0].token_ids[:32])  # first-call costs (allocator, kernels) out of the way
+        for m, engine in engines.items():
+            for p in settling_prompts(warm, args.engine_warm if engine.adaptive else 0):
+                engine_run(engine, p.token_ids)
         for client in clients.values():
             client.reset_stats_local()
         before = {m: stats(addr) for m, addr in addresses.items()}
@@ -312,6 +325,7 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     if "drafter-repeat" in methods and "drafter" not in methods:
         raise SystemExit("drafter-repeat repeats drafter's requests: list drafter too")
     fixed_budgets(args)  # a bad list fails before the model loads
+    settling_prompts([], args.engine_warm)
     torch.set_num_threads(args.threads)
     print(f"machine: {machine()}", flush=True)
     if args.dtype == "auto":

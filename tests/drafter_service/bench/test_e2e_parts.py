@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafter_service.bench.e2e import fixed_budgets, method_order
+from drafter_service.bench.e2e import fixed_budgets, method_order, settling_prompts
 from drafter_service.bench.e2e_prompts import RANDOM_PROMPT_TOKENS, RANDOM_TOKEN_IDS, load_prompts
 from drafter_service.bench.step_costs import fastest_dtype, format_curve, measure_step_curve
 
@@ -58,3 +58,12 @@ def test_fixed_budgets_parse_and_run_after_drafter():
             fixed_budgets(argparse.Namespace(fixed_budgets=bad))
     order = sorted(["fixed-16", "hf", "fixed-2", "drafter", "greedy"], key=method_order)
     assert order == ["greedy", "drafter", "fixed-2", "fixed-16", "hf"]
+
+
+def test_engines_settle_on_the_last_warm_requests():
+    warm = load_prompts("random", 5)
+    assert [p.prompt_id for p in settling_prompts(warm, 2)] == [p.prompt_id for p in warm[-2:]]
+    assert settling_prompts(warm, 0) == []
+    assert len(settling_prompts(warm, 9)) == 5
+    with pytest.raises(SystemExit, match="--engine-warm"):
+        settling_prompts(warm, -1)
