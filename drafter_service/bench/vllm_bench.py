@@ -23,19 +23,24 @@ from drafter_service.bench.vllm_process import Generation, VllmEngineProcess, vl
 from drafter_service.datasets.target_model import smollm2_checkpoint
 from engine_client import DrafterClient
 
-METHODS = ("none", "ngram", "suffix", "drafter")
+METHODS = ("none", "ngram", "suffix", "drafter", "drafter-fixed")
+
+#: Proposer settings of each drafter method: ``drafter`` as shipped (chains cut by the engine's measured step
+#: costs), ``drafter-fixed`` with the fixed minimum estimate instead (DRAFTER_COST_AWARE=0).
+DRAFTER_ENV = {"drafter": {}, "drafter-fixed": {"DRAFTER_COST_AWARE": "0"}}
 
 
 def add_vllm_bench(bench: argparse._SubParsersAction) -> None:
     """Register ``bench vllm``."""
     p = bench.add_parser("vllm", help="acceptance and speed inside vLLM: no speculation, ngram, suffix and drafter "
-                         "on the same held-back prompts after the same warm-up")
+                         "(drafter-fixed: its chains cut by a fixed minimum estimate, not by step costs) on the same "
+                         "held-back prompts after the same warm-up")
     p.add_argument("--dataset", action="append", choices=E2E_DATASETS, help="workload (repeatable; default all)")
     p.add_argument("--warm", type=int, default=24, help="earlier prompts of each workload generated first")
     p.add_argument("--requests", type=int, default=16, help="held-back prompts measured per workload (one batch)")
     p.add_argument("--max-tokens", type=int, default=192, help="tokens generated per prompt")
     p.add_argument("--k", type=int, default=4, help="speculative tokens per step (every method)")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated among {', '.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(METHODS[:4]), help=f"comma-separated among {', '.join(METHODS)}")
     p.add_argument("--json", help="also write the results as JSON to this file")
     p.add_argument("--engine-log", help="append the engines' own output to this file (default: discarded)")
     p.set_defaults(func=run_vllm_bench)
@@ -83,13 +88,14 @@ def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[
     service = None
     env: dict[str, str] = {}
     stats_file = workdir / f"{method}.proposer.json"
-    if method == "drafter":
-        service = ServiceProcess(workdir / "service", 1 << 24)
+    if method in DRAFTER_ENV:
+        service = ServiceProcess(workdir / f"service-{method}", 1 << 24)
         service.start()
-        env = {"DRAFTER_ADDRESS": service.address, "DRAFTER_PROPOSER_STATS": str(stats_file)}
+        env = {"DRAFTER_ADDRESS": service.address, "DRAFTER_PROPOSER_STATS": str(stats_file), **DRAFTER_ENV[method]}
     runs: list[MethodRun] = []
     try:
-        with VllmEngineProcess(model, method, args.k, env=env, log=log) as engine:
+        engine_method = "drafter" if method in DRAFTER_ENV else method
+        with VllmEngineProcess(model, engine_method, args.k, env=env, log=log) as engine:
             _progress(f"{method}: engine ready in {engine.startup_seconds:.0f} s")
             for dataset, (warm, held) in prompts.items():
                 t0 = time.perf_counter()
