@@ -98,14 +98,26 @@ class StepCostCurve:
         self._points = None
 
     def points(self) -> list[tuple[float, float]]:
-        """The measured ``(mean nodes, mean seconds)`` of every bucket seen, by size, times made non-decreasing."""
+        """The measured ``(mean nodes, mean seconds)`` of every bucket seen, by size, times made non-decreasing.
+
+        Buckets whose times decrease with size are pooled (their weighted mean time, pool-adjacent-violators), so
+        one slow outlier at a small size is outweighed by the steps around it instead of lifting every larger
+        size to its time, which would make drafting look free.
+        """
         if self._points is None:
-            pts: list[tuple[float, float]] = []
+            sizes: list[float] = []
+            pools: list[list[float]] = []  # [weight, weighted seconds, buckets pooled]
             for w, sn, st in zip(self._w, self._sn, self._st, strict=True):
                 if w > 0.0:
-                    t = st / w
-                    pts.append((sn / w, max(t, pts[-1][1]) if pts else t))
-            self._points, self._sizes = pts, [n for n, _ in pts]
+                    sizes.append(sn / w)
+                    pools.append([w, st, 1])
+                    while len(pools) > 1 and pools[-2][1] / pools[-2][0] > pools[-1][1] / pools[-1][0]:
+                        w2, st2, k2 = pools.pop()
+                        pools[-1][0] += w2
+                        pools[-1][1] += st2
+                        pools[-1][2] += k2
+            times = [pool[1] / pool[0] for pool in pools for _ in range(int(pool[2]))]
+            self._points, self._sizes = list(zip(sizes, times, strict=True)), sizes
         return self._points
 
     @property

@@ -126,6 +126,9 @@ class StepFigures:
     failures: int = 0  # steps whose DraftBatch call raised (no drafts that step)
     seconds: float = 0.0  # time inside propose
     seconds_max: float = 0.0
+    offered_tokens: int = 0  # chain tokens before the verify budget cut them (equal to draft_tokens without one)
+    cost_points: list[tuple[float, float]] = field(default_factory=list)  # the budget's (tokens, seconds) per step
+    acceptance_gamma: float = 1.0  # the budget's calibration exponent
 
 
 class RequestTracker:
@@ -151,7 +154,8 @@ class RequestTracker:
         self.requests: dict[str, _Request] = {}
         self.figures = StepFigures()
         self._proposed: dict[str, tuple[list[int], list[float]]] = {}  # request -> last chain and its estimates
-        self._last_step: tuple[float, int, int] | None = None  # (time, rows, query tokens) of the previous step
+        self._last_step: tuple[float, tuple[str, ...], int] | None = None  # (time, requests, query tokens) of the
+        # previous step
 
     def step(self, req_ids: Sequence[str], prompt_lens: Sequence[int], sampled: Sequence[Sequence[int]],
              num_tokens: Sequence[int], token_ids: Any) -> list[list[int]]:
@@ -202,23 +206,27 @@ class RequestTracker:
             nodes = best_chain_nodes(tree, min(self.k, self.max_model_len - int(num_tokens[i]) - 1), self.min_prob)
             if nodes:
                 chains.append((i, [tree.token_ids[j] for j in nodes], [tree.probs[j] for j in nodes]))
+        self.figures.offered_tokens += sum(len(toks) for _, toks, _ in chains)
         if self.budget is not None:
             keep = self.budget.choose_batch([probs for *_, probs in chains], self.k, base_tokens=len(sampled))
             chains = [(i, toks[:n], probs[:n]) for (i, toks, probs), n in zip(chains, keep, strict=True)]
+            self.figures.cost_points = self.budget.curve.points()
+            self.figures.acceptance_gamma = self.budget.calibration.gamma
         for i, toks, probs in chains:
             if toks:
                 out[i] = toks
                 self._proposed[req_ids[i]] = (toks, probs)
                 self.figures.drafted_rows += 1
                 self.figures.draft_tokens += len(toks)
-        self._last_step = (self.clock(), len(sampled), len(sampled) + sum(len(c) for c in out))
+        self._last_step = (self.clock(), tuple(req_ids), len(sampled) + sum(len(c) for c in out))
         return out
 
     def _learn(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]]) -> None:
         """Teach the budget what the previous step cost and which proposed tokens were accepted.
 
-        A step is timed from the previous ``step`` call to this one; steps whose rows changed (a request joined,
-        left or was still in prefill) are not timed, since prefill tokens would be counted as draft tokens.
+        A step is timed from the previous ``step`` call to this one, and only when it ran the same requests in the
+        same rows: a request that joined (its prefill tokens would count as draft tokens), left or was still in
+        prefill, or a new batch after the engine idled (the idle time would count as the step's), is not timed.
         """
         proposed, self._proposed = self._proposed, {}
         last, self._last_step = self._last_step, None
@@ -236,8 +244,8 @@ class RequestTracker:
                 estimates += probs
                 outcomes += [j < accepted for j in range(len(toks))]
         self.budget.calibration.observe(estimates, outcomes)  # one step: its evidence decays once
-        at, rows, tokens = last
-        if rows == len(sampled) and all(len(new) for new in sampled):
+        at, requests, tokens = last
+        if requests == tuple(req_ids) and all(len(new) for new in sampled):
             self.budget.curve.observe(tokens, self.clock() - at)
 
     def end_finished(self, live: Any) -> None:

@@ -216,3 +216,15 @@ def test_calibrated_trees_stay_consistent_siblings_share_their_parent():
     assert out[0] + out[1] == pytest.approx(1.0)  # two children of the root: at most one is accepted
     assert out[2] + out[3] <= out[0] + 1e-12 and out[2] / out[3] == pytest.approx(lifted[2] / lifted[3])
     assert consistent_tree([0.9, 0.8], [-1, 0]) == [0.9, 0.8]  # already consistent: unchanged
+
+
+def test_one_slow_step_at_a_small_size_does_not_flatten_the_curve():
+    curve = StepCostCurve(decay=0.9)
+    for _ in range(30):
+        for n in (16, 32, 64):
+            curve.observe(n, 0.2 + 0.01 * n)
+    curve.observe(1, 0.8)  # a step timed across an idle engine
+    times = [t for _, t in curve.points()]
+    assert times == sorted(times)
+    assert curve.seconds(64) - curve.seconds(16) > 0.4  # the slope is still there
+    assert curve.seconds(1) < 0.5

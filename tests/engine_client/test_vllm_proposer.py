@@ -225,9 +225,12 @@ def test_a_namespace_of_another_vocabulary_is_refused_with_a_clear_error(service
 DOC = [(11 * i) % 97 + 3 for i in range(90)]
 
 
-def costed_drafts(monkeypatch, address: str, per_token: float) -> list[int]:
+def costed_drafts(monkeypatch, address: str, per_token: float, idle_after: int = -1) -> list[int]:
     """Draft tokens per step for two requests repeating a stored document, on an engine whose step takes 10 ms per
-    row plus ``per_token`` times that per draft token (a fake clock the proposer reads)."""
+    row plus ``per_token`` times that per draft token (a fake clock the proposer reads).
+
+    With ``idle_after`` >= 0 the two requests stop after that many steps, the engine idles 5 s, and two new ones
+    take their rows."""
     monkeypatch.setenv("DRAFTER_COST_AWARE", "1")
     with DrafterClient(address) as client:
         client.ingest([(DOC[:8], DOC[8:], f"doc{i}") for i in range(3)])
@@ -241,9 +244,21 @@ def costed_drafts(monkeypatch, address: str, per_token: float) -> list[int]:
         now[0] += 0.01 * (len(sampled) + per_token * sum(len(c) for c in out))
         return out
 
+    def idle_then_place(rids, tokens, prompts):
+        if rids == ["c", "d"] and "c" not in runner.placed:
+            now[0] += 5.0
+        runner.placed.update(rids)
+        place(rids, tokens, prompts)
+
     runner.step = timed
+    place, runner.placed = runner.place, set()
+    runner.place = idle_then_place
     reqs = {"a": (DOC[:8], DOC[8:70]), "b": (DOC[:10], DOC[10:72])}
-    steps = generate(runner, reqs, [["a", "b"]] * 50)
+    if idle_after < 0:
+        steps = generate(runner, reqs, [["a", "b"]] * 50)
+    else:
+        reqs |= {"c": (DOC[:9], DOC[9:71]), "d": (DOC[:11], DOC[11:73])}
+        steps = generate(runner, reqs, [["a", "b"]] * idle_after + [["c", "d"]] * 50)
     return [sum(len(c) for c in step.values()) for step in steps]
 
 
@@ -256,3 +271,10 @@ def test_cost_aware_chains_are_whole_where_tokens_are_cheap(service, monkeypatch
 def test_cost_aware_chains_stop_where_tokens_cost_more_than_they_bring(service, monkeypatch):
     drafted = costed_drafts(monkeypatch, service[1], per_token=5.0)  # a draft token costs 5 plain rows
     assert sum(drafted[25:]) == 0
+
+
+def test_an_idle_engine_between_batches_does_not_make_drafts_look_free(service, monkeypatch):
+    # The step that starts a new batch after 5 s idle must not be timed as a 5 s step: that would make every
+    # smaller size look as slow as the large ones, and every token worth verifying.
+    drafted = costed_drafts(monkeypatch, service[1], per_token=5.0, idle_after=30)
+    assert sum(drafted[25:30]) == 0 and sum(drafted[40:]) == 0
