@@ -154,8 +154,8 @@ class RequestTracker:
         self.requests: dict[str, _Request] = {}
         self.figures = StepFigures()
         self._proposed: dict[str, tuple[list[int], list[float]]] = {}  # request -> last chain and its estimates
-        self._last_step: tuple[float, tuple[str, ...], int] | None = None  # (time, requests, query tokens) of the
-        # previous step
+        # (time, requests, query tokens) of the previous step
+        self._last_step: tuple[float, tuple[str, ...], int] | None = None
 
     def step(self, req_ids: Sequence[str], prompt_lens: Sequence[int], sampled: Sequence[Sequence[int]],
              num_tokens: Sequence[int], token_ids: Any) -> list[list[int]]:
