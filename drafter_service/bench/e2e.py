@@ -210,7 +210,7 @@ def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel,
 
             _warm(dataset, warm, generated, client, f"{args.dtype}-{args.max_new_tokens}")
         engine_run(plain, measured[0].token_ids[:32])  # first-call costs (allocator, kernels) out of the way
-        for m, engine in engines.items():
+        for engine in engines.values():
             for p in settling_prompts(warm, args.engine_warm if engine.adaptive else 0):
                 engine_run(engine, p.token_ids)
         for client in clients.values():
