@@ -183,10 +183,10 @@ class ReferenceEngine:
                                         verify_cost=curve.points() if self.adaptive else (),
                                         estimate_exponent=self.budget.calibration.gamma if self.adaptive else 0.0)
                     pending = []
-                if len(tree) > self.max_nodes:
-                    tree = tree.prefix(self.max_nodes)
-                if self.adaptive:
-                    tree = tree.prefix(self.budget.choose(tree.probs, self.max_nodes, tree.parents))
+                    if len(tree) > self.max_nodes:
+                        tree = tree.prefix(self.max_nodes)
+                    if self.adaptive:  # a skipped step was counted by skip(): choose only what was asked for
+                        tree = tree.prefix(self.budget.choose(tree.probs, self.max_nodes, tree.parents))
                 t1 = time.perf_counter()
                 n = len(tree)
                 mask = None

@@ -319,3 +319,26 @@ def test_importing_the_client_does_not_import_torch():
     code = ("import sys, engine_client, engine_client.draft_source; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_while_drafting_is_off_the_engine_asks_only_at_each_probe():
+    model, truth = model_and_truth("llama-sdpa")
+    steps = [0]
+    asked_at = []
+
+    class Recording(OracleSource):
+        def draft(self, session, accepted, max_nodes=0, step_seconds=0.0, plain_step_seconds=0.0, verify_cost=(),
+                  estimate_exponent=0.0):
+            asked_at.append(steps[0])
+            return super().draft(session, accepted, max_nodes, step_seconds, plain_step_seconds, verify_cost)
+
+    class SteepCurve(StepCostCurve):
+        def observe(self, nodes, seconds):
+            steps[0] += 1
+            super().observe(nodes, 0.1 * (1 + nodes))
+
+    budget = VerifyBudget(SteepCurve(), probe_every=4, max_probe_every=4)
+    engine = ReferenceEngine(model, Recording(truth, wrong_chain), device="cpu", adaptive=True, budget=budget)
+    assert engine.generate(PROMPT, 40).tokens == truth[:40]
+    gaps = [b - a for a, b in zip(asked_at, asked_at[1:], strict=False)][-5:]
+    assert gaps == [4] * 5  # a step taken without asking counts once towards the next probe
