@@ -24,6 +24,7 @@ from drafter_service.datasets.target_model import smollm2_checkpoint
 from engine_client import DrafterClient
 
 METHODS = ("none", "ngram", "suffix", "drafter", "drafter-fixed")
+DEFAULT_METHODS = ("none", "ngram", "suffix", "drafter")
 
 #: Proposer settings of each drafter method: ``drafter`` as shipped (chains cut by the engine's measured step
 #: costs), ``drafter-fixed`` with the fixed minimum estimate instead (DRAFTER_COST_AWARE=0).
@@ -40,7 +41,7 @@ def add_vllm_bench(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=16, help="held-back prompts measured per workload (one batch)")
     p.add_argument("--max-tokens", type=int, default=192, help="tokens generated per prompt")
     p.add_argument("--k", type=int, default=4, help="speculative tokens per step (every method)")
-    p.add_argument("--methods", default=",".join(METHODS[:4]), help=f"comma-separated among {', '.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated among {', '.join(METHODS)}")
     p.add_argument("--json", help="also write the results as JSON to this file")
     p.add_argument("--engine-log", help="append the engines' own output to this file (default: discarded)")
     p.set_defaults(func=run_vllm_bench)
