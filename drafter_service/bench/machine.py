@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import os
-import platform
-from pathlib import Path
+
+from drafter_service.model.hardware import cpu_model_and_flags
 
 __all__ = ["machine"]
 
 
 def machine() -> str:
     """CPU model, core count and the vector extensions the figures depend on."""
-    model, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
+    model, flags = cpu_model_and_flags()
     vector = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     return f"{model} ({os.cpu_count()} cores; {', '.join(vector) or 'no AVX2'})"

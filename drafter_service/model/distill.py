@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import logging
 import math
 import os
@@ -38,6 +39,7 @@ from drafter_service.model.draft_model import (
     output_vocab_size,
     save_token_counts,
 )
+from drafter_service.model.hardware import native_bfloat16
 
 if TYPE_CHECKING:
     import torch
@@ -71,9 +73,10 @@ class DistillConfig:
         schedule: "cosine" (down to 10% of ``lr`` at ``steps``; constant without ``steps``) or "constant".
         steps: stop at this step (counted across resumes).
         minutes: stop after this much training time in this run.
-        target_dtype: "bfloat16" or "float32" for the target (the draft trains in float32).
+        target_dtype: "bfloat16" or "float32" for the target (the draft trains in float32); "auto": bfloat16
+            where ``device`` computes it natively (``native_bfloat16``), float32 elsewhere.
         autocast: run the draft's training matrix products in bfloat16 (weights and optimizer stay float32;
-            evaluation is always in float32).
+            evaluation is always in float32); None: where ``device`` computes bfloat16 natively.
         eval_requests: requests held out for evaluation.
         checkpoint_every: steps between checkpoints.
         mix: "balanced" (sources take turns) or "pooled" (all windows in one shuffled pool).
@@ -94,8 +97,8 @@ class DistillConfig:
     schedule: str = "cosine"
     steps: int | None = None
     minutes: float | None = None
-    target_dtype: str = "bfloat16"
-    autocast: bool = True
+    target_dtype: str = "auto"
+    autocast: bool | None = None
     eval_requests: int = 20
     checkpoint_every: int = 50
     mix: str = "balanced"
@@ -116,11 +119,28 @@ class DistillConfig:
                   "minutes": self.minutes is None or self.minutes >= 0, "eval_requests": self.eval_requests >= 0,
                   "checkpoint_every": self.checkpoint_every >= 1, "threads": self.threads is None or self.threads >= 1,
                   "schedule": self.schedule in ("cosine", "constant"), "mix": self.mix in ("balanced", "pooled"),
-                  "target_dtype": self.target_dtype in ("bfloat16", "float32"),
+                  "target_dtype": self.target_dtype in ("auto", "bfloat16", "float32"),
                   "layer_choice": self.layer_choice in ("spread", "first")}
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"bad setting(s): {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
+
+    def resolved(self, native: bool | None = None) -> DistillConfig:
+        """These settings with ``target_dtype="auto"`` and ``autocast=None`` decided for the device.
+
+        Emulated bfloat16 trains many times slower than float32 (each product is converted), so both use
+        bfloat16 only where the device computes it natively.
+
+        Args:
+            native: whether the device computes bfloat16 natively (default: ``native_bfloat16(self.device)``).
+        """
+        if self.target_dtype != "auto" and self.autocast is not None:
+            return self
+        if native is None:
+            native = native_bfloat16(self.device)
+        return dataclasses.replace(
+            self, target_dtype=("bfloat16" if native else "float32") if self.target_dtype == "auto"
+            else self.target_dtype, autocast=native if self.autocast is None else self.autocast)
 
 
 @dataclass(frozen=True)
@@ -299,6 +319,9 @@ def distill(config: DistillConfig, sources: list[Source], progress: bool = True)
 
     if config.threads:
         torch.set_num_threads(config.threads)
+    config = config.resolved()
+    logger.info("target in %s, draft's products in %s", config.target_dtype,
+                "bfloat16 (autocast)" if config.autocast else "float32")
     out = pathlib.Path(config.out)
     target = AutoModelForCausalLM.from_pretrained(config.target, dtype=torch.float32).eval()
     vocab = output_vocab_size(target)
@@ -337,7 +360,7 @@ def distill(config: DistillConfig, sources: list[Source], progress: bool = True)
                 (config.minutes is None or time.perf_counter() - t0 < 60 * config.minutes):
             pos = state["position"]
             ids, mask = pad_batch([stream[g] for g in range(pos, pos + config.batch)])
-            kl, agree, n = distill_batch(draft, target, ids, mask, autocast=config.autocast)
+            kl, agree, n = distill_batch(draft, target, ids, mask, autocast=bool(config.autocast))
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             scheduler.step()
@@ -419,11 +442,13 @@ def add_distill_command(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--warmup", type=int, default=d["warmup"].default, help="warm-up steps")
     tr.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
                     help="after warm-up: cosine to 10%% at --steps (constant without --steps), or constant")
-    tr.add_argument("--target-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                    help="dtype of the target (on CPU bfloat16 is about twice as fast)")
-    tr.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
+    tr.add_argument("--target-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="dtype of the target; auto: bfloat16 where the device computes it natively (CUDA, "
+                    "or a CPU with AVX512-BF16 or AMX), else float32, since emulated bfloat16 trains many "
+                    "times slower")
+    tr.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=None,
                     help="draft's training matrix products in bfloat16 (weights and optimizer stay float32; "
-                    "about 1.5x faster on CPUs with bfloat16 instructions)")
+                    "default: where the device computes bfloat16 natively)")
     tr.add_argument("--threads", type=int, help="torch CPU threads")
     tr.add_argument("--device", default="cpu", help="where both models run (cpu, cuda, cuda:N)")
     tr.add_argument("--seed", type=int, default=0, help="order of requests and windows")

@@ -23,6 +23,7 @@ from drafter_service.model.draft_model import (
     choose_layers,
     load_draft_model,
 )
+from drafter_service.model.hardware import native_bfloat16
 from store.embedded_redis import EmbeddedRedis
 from store.persistence import RedisPersistence
 
@@ -218,3 +219,27 @@ def test_load_draft_model_refuses_a_vocabulary_mismatch_and_a_missing_folder(tar
     with pytest.raises(DraftModelError, match="cannot load"):
         load_draft_model(tmp_path / "broken")
     assert load_draft_model(target_dir, vocab_size=VOCAB).config.num_hidden_layers == 4  # plain checkpoint
+
+
+def test_bfloat16_is_chosen_only_where_the_device_computes_it_natively(target_dir, tmp_path):
+    auto = _config(target_dir, tmp_path / "out", target_dtype="auto")
+    assert auto.autocast is None
+    emulated, native = auto.resolved(native=False), auto.resolved(native=True)
+    assert (emulated.target_dtype, emulated.autocast) == ("float32", False)
+    assert (native.target_dtype, native.autocast) == ("bfloat16", True)
+    chosen = _config(target_dir, tmp_path / "out", target_dtype="bfloat16", autocast=False)
+    assert chosen.resolved(native=False) == chosen  # what was asked for stands
+    assert native_bfloat16("cpu", frozenset({"avx2", "avx512f"})) is False
+    assert native_bfloat16("cpu", frozenset({"avx2", "avx512_bf16"})) is True
+    assert native_bfloat16("cpu", frozenset({"amx_bf16"})) is True
+    assert native_bfloat16("mps") is False
+
+
+def test_cli_defaults_leave_precision_to_the_device(target_dir, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_distill_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["distill-draft", "--target", str(target_dir), "--out", str(tmp_path / "o"),
+                              "--steps", "1", "--tokens", "x.jsonl"])
+    assert (args.target_dtype, args.autocast) == ("auto", None)
+    with pytest.raises(ValueError, match="target_dtype"):
+        _config(target_dir, tmp_path / "out", target_dtype="float16")
