@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 PEERS = ("prompt-lookup", "arctic", "arctic-f4", "pia", "ngram-mod")
 
+#: drafter with a draft model, by name: (model-free sources on, CARD's correction on).
+CARD_VARIANTS = {"drafter+card": (True, True), "drafter+card-nocorr": (True, False), "card-only": (False, True)}
+
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``bench replay``, ``store``, ``serve``, ``e2e`` and ``corpus`` under the ``bench`` command."""
@@ -68,7 +71,10 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("--warm-limit", type=int, default=10000, help="warm requests used")
     rp.add_argument("--frozen-limit", type=int, default=10000, help="corpus requests used")
     rp.add_argument("--draft-model", help="also run drafter with this draft model (CARD cache: with correction, "
-                    "without it, and without model-free sources)")
+                    "without it, and without model-free sources; --card-variants picks among them)")
+    rp.add_argument("--card-variants", default=",".join(CARD_VARIANTS),
+                    help="with --draft-model, which of its drafters run (comma-separated subset of "
+                    f"{', '.join(CARD_VARIANTS)})")
     rp.add_argument("--draft-threads", type=int, default=2, help="torch threads of the draft model")
     rp.add_argument("--card-width", type=int, default=16, help="K of the draft model's cache")
     rp.add_argument("--card-top-k", type=int, default=4, help="k of the draft model's cache")
@@ -135,6 +141,16 @@ def _oracles(reqs: Sequence[Request], passes: int, warm: Sequence[Request] | Non
     return out
 
 
+def card_variants(spec: str) -> list[str]:
+    """The draft-model drafters named in ``--card-variants``, in ``CARD_VARIANTS`` order."""
+    names = {n.strip() for n in spec.split(",") if n.strip()}
+    unknown = names - set(CARD_VARIANTS)
+    if unknown or not names:
+        raise SystemExit(f"--card-variants takes a comma-separated subset of {', '.join(CARD_VARIANTS)}; "
+                         f"got {spec!r}")
+    return [n for n in CARD_VARIANTS if n in names]
+
+
 def run_replay(args: argparse.Namespace) -> int:
     """Replay each data set through drafter, every peer and the retrieval oracle at every budget and chain length;
     print one table."""
@@ -143,6 +159,7 @@ def run_replay(args: argparse.Namespace) -> int:
     if any(n < 1 for _, n in rows):
         raise SystemExit("--budget and --chain must be at least 1")
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    card_variants(args.card_variants)  # a bad list fails before anything loads
     frozen = {args.frozen_corpus: _frozen_table(args)} if args.frozen_corpus else {}
     for path in args.frozen_file:
         frozen[pathlib.Path(path).stem] = _frozen_file(path)
@@ -179,7 +196,8 @@ def run_replay(args: argparse.Namespace) -> int:
 
 
 def _card_drafters(args: argparse.Namespace, reqs: Sequence[Request]) -> list[ReplayDrafter]:
-    """drafter with the draft model: CARD with correction, without it (ablation), and the model alone."""
+    """drafter with the draft model, as ``--card-variants`` names them: CARD with correction, without it
+    (ablation), and the model alone."""
     import torch
 
     from drafter_service.core.config import CardSettings
@@ -191,9 +209,9 @@ def _card_drafters(args: argparse.Namespace, reqs: Sequence[Request]) -> list[Re
     model = load_draft_model(args.draft_model)
     if vocab > model.config.vocab_size:
         raise SystemExit(f"the requests hold token id {vocab - 1}, beyond the draft model's vocabulary")
-    variants = [("drafter+card", True, True), ("drafter+card-nocorr", True, False), ("card-only", False, True)]
     out: list[ReplayDrafter] = []
-    for name, model_free, correction in variants:
+    for name in card_variants(args.card_variants):
+        model_free, correction = CARD_VARIANTS[name]
         settings = CardSettings(width=args.card_width, top_k=args.card_top_k, layers_ahead=args.card_layers,
                                 correction=correction, max_sessions=1, vocab=args.card_vocab)
         sources = {f"use_{s}": model_free for s in ("session", "store", "dynamic", "frozen")}

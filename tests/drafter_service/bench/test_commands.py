@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from drafter_service.bench.commands import format_table
+import pytest
+
+from drafter_service.bench.commands import CARD_VARIANTS, card_variants, format_table
 from drafter_service.bench.replay import Mode, ReplayResult
 
 
@@ -48,3 +50,11 @@ def test_the_oracle_is_not_a_peer_and_warm_rows_use_the_warm_oracle() -> None:
     assert _row(table, "8", "drafter")[4] == ""  # no peer ran: the oracle is no peer
     assert _row(table, "8", "drafter")[5] == f"{(2.0 - 1) / (4.0 - 1):.1%}"
     assert _row(table, "8", "drafter+warm")[5] == f"{(3.0 - 1) / (5.0 - 1):.1%}"
+
+
+def test_card_variants_keep_their_order_and_refuse_unknown_names() -> None:
+    assert card_variants("card-only,drafter+card") == ["drafter+card", "card-only"]
+    assert card_variants(",".join(CARD_VARIANTS)) == list(CARD_VARIANTS)
+    for bad in ("drafter+card,cardd", ",", ""):
+        with pytest.raises(SystemExit, match="--card-variants"):
+            card_variants(bad)
