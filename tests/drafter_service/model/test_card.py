@@ -50,6 +50,21 @@ def test_a_step_through_the_cache_is_a_hit_and_a_step_beside_it_is_not(model):
     assert not session.alive and drafts.open_sessions == 0
 
 
+def test_a_step_that_accepted_nothing_still_teaches_the_calibration(model):
+    drafts = DraftModelDrafts(model, CardSettings(width=6, top_k=3, layers_ahead=3))
+    session = settled(drafts.open(PROMPT))
+    try:
+        tree = session.query(8)
+        roots = {tree.token_ids[i] for i in range(len(tree)) if tree.parents[i] < 0}
+        wrong = next(t for t in range(40) if t not in roots)
+        before = [session.calibration.rate((b + 0.5) / 10) for b in range(10)]
+        assert session.correct([wrong]) is False  # nothing accepted, and no served token was the true one
+        after = [session.calibration.rate((b + 0.5) / 10) for b in range(10)]
+        assert all(a <= b for a, b in zip(after, before, strict=True)) and after != before
+    finally:
+        drafts.close(session)
+
+
 def test_vocabulary_follows_the_frequencies(model):
     drafts = DraftModelDrafts(model, CardSettings(width=6, top_k=2, layers_ahead=2, vocab=5))
     drafts.set_frequencies(np.array([11, 11, 11, 12, 12, 13, 14, 15, 15, 16] * 10))
