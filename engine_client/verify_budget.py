@@ -106,17 +106,16 @@ class StepCostCurve:
         """
         if self._points is None:
             sizes: list[float] = []
-            pools: list[list[float]] = []  # [weight, weighted seconds, buckets pooled]
+            pools: list[tuple[float, float, int]] = []  # (weight, weighted seconds, buckets pooled)
             for w, sn, st in zip(self._w, self._sn, self._st, strict=True):
                 if w > 0.0:
                     sizes.append(sn / w)
-                    pools.append([w, st, 1])
-                    while len(pools) > 1 and pools[-2][1] / pools[-2][0] > pools[-1][1] / pools[-1][0]:
-                        w2, st2, k2 = pools.pop()
-                        pools[-1][0] += w2
-                        pools[-1][1] += st2
-                        pools[-1][2] += k2
-            times = [pool[1] / pool[0] for pool in pools for _ in range(int(pool[2]))]
+                    pool = (w, st, 1)
+                    while pools and pools[-1][1] / pools[-1][0] > pool[1] / pool[0]:
+                        pw, pst, pk = pools.pop()
+                        pool = (pw + pool[0], pst + pool[1], pk + pool[2])
+                    pools.append(pool)
+            times = [st / w for w, st, k in pools for _ in range(k)]
             self._points, self._sizes = list(zip(sizes, times, strict=True)), sizes
         return self._points
 

@@ -119,9 +119,8 @@ class CardSession:
 
         ``accepted`` is the true continuation (the accepted draft tokens, then the target's own), so every served
         node whose parent lies on it is judged against the true token there, verified or not. Steps where nothing
-        was accepted count too: learning only from steps where something was (the predictable ones) overrated
-        the model, most where one path is verified and most drafts are refused (chains: estimated 44% for the
-        first token against 22% accepted).
+        was accepted count too: learning only from steps where something was (the predictable ones) overrates
+        the model, most where one path is verified and most drafts are refused.
         """
         nodes, self._last = self._last, []
         if not nodes:

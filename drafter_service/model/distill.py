@@ -138,9 +138,9 @@ class DistillConfig:
             return self
         if native is None:
             native = native_bfloat16(self.device)
-        return dataclasses.replace(
-            self, target_dtype=("bfloat16" if native else "float32") if self.target_dtype == "auto"
-            else self.target_dtype, autocast=native if self.autocast is None else self.autocast)
+        dtype = self.target_dtype if self.target_dtype != "auto" else "bfloat16" if native else "float32"
+        autocast = native if self.autocast is None else self.autocast
+        return dataclasses.replace(self, target_dtype=dtype, autocast=autocast)
 
 
 @dataclass(frozen=True)
