@@ -21,7 +21,7 @@ from drafter_service.bench.oracle import RetrievalOracle, SeenPrefixes
 from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
 from drafter_service.bench.pia_trie import PiaLookaheadDrafter
 from drafter_service.bench.protocol import ReplayDrafter
-from drafter_service.bench.replay import CoreDrafter, Mode, ReplayResult, replay
+from drafter_service.bench.replay import CoreDrafter, Mode, ReplayResult, replay, replay_hindsight
 from drafter_service.bench.replicas_bench import add_replicas_bench
 from drafter_service.bench.serve_bench import add_serve_bench
 from drafter_service.bench.soak import add_soak_bench
@@ -55,6 +55,8 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
                     help="chain mode: each step every drafter proposes one path of at most K tokens, as vLLM "
                     "verifies (repeatable, with or without --budget)")
     rp.add_argument("--no-oracle", action="store_true", help="leave out the retrieval oracle's rows")
+    rp.add_argument("--hindsight", action="store_true", help="add the ceiling of choosing among drafter and the "
+                    "peers: each step takes whichever of their drafts got the most tokens accepted")
     rp.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated peers among {', '.join(PEERS)}")
     rp.add_argument("--json", help="also write the results as JSON to this file")
     rp.add_argument("--repeat", action="store_true", help="then replay every request a second time (same prompts, "
@@ -188,6 +190,12 @@ def run_replay(args: argparse.Namespace) -> int:
                               file=sys.stderr, leave=False) as bar:
                         results.append(replay(drafter, reqs, budget, label, progress=lambda _: bar.update(),
                                               mode=mode))
+            if args.hindsight:
+                chosen = [CoreDrafter(), *(d for d in map(make_peer, peers) if d is not None)]
+                with tqdm(total=len(reqs), desc=f"{name} {mode} {budget} hindsight", unit="req", file=sys.stderr,
+                          leave=False) as bar:
+                    results.append(replay_hindsight(chosen, reqs, budget, name, progress=lambda _: bar.update(),
+                                                    mode=mode))
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:
@@ -301,12 +309,17 @@ def _is_oracle(name: str) -> bool:
     return name.startswith("oracle")
 
 
+def _is_hindsight(name: str) -> bool:
+    return name.startswith("hindsight(")
+
+
 def format_table(results: Sequence[ReplayResult]) -> str:
     """Markdown table, one row per result; rows compare within the same data set, mode and budget (or chain length),
     warmed variants with warmed peers and oracle, the others with the cold ones.
 
-    ``vs best peer`` is drafter's MAT over the best peer's. ``share of oracle`` is ``(MAT - 1) / (oracle MAT - 1)``:
-    the share of the draft tokens the retrieval oracle gets accepted that the row gets accepted.
+    ``vs best peer`` is drafter's MAT over the best peer's (and the hindsight choice's, which is no peer).
+    ``share of oracle`` is ``(MAT - 1) / (oracle MAT - 1)``: the share of the draft tokens the retrieval oracle gets
+    accepted that the row gets accepted.
     """
     best: dict[tuple[str, str, int, bool], float] = {}
     oracle: dict[tuple[str, str, int, bool], float] = {}
@@ -314,16 +327,18 @@ def format_table(results: Sequence[ReplayResult]) -> str:
         key = (r.dataset, r.mode, r.budget, _warmed(r.drafter))
         if _is_oracle(r.drafter):
             oracle[key] = r.mat
-        elif not _is_ours(r.drafter):
+        elif not _is_ours(r.drafter) and not _is_hindsight(r.drafter):
             best[key] = max(best.get(key, 0.0), r.mat)
     lines = ["| data set | budget | drafter | MAT | vs best peer | share of oracle | steps with a hit | nodes/step | "
              "p50 µs | p99 µs |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         key = (r.dataset, r.mode, r.budget, _warmed(r.drafter))
         peer, ceiling = best.get(key), oracle.get(key)
-        ratio = f"{r.mat / peer:.2f}×" if _is_ours(r.drafter) and peer else ""
+        compared = _is_ours(r.drafter) or _is_hindsight(r.drafter)
+        ratio = f"{r.mat / peer:.2f}×" if compared and peer else ""
         share = f"{(r.mat - 1) / (ceiling - 1):.1%}" if ceiling and ceiling > 1 and not _is_oracle(r.drafter) else ""
-        latency = ["", ""] if _is_oracle(r.drafter) else [f"{r.p50_us:.0f}", f"{r.p99_us:.0f}"]  # it knows the answer
+        knows_answer = _is_oracle(r.drafter) or _is_hindsight(r.drafter)
+        latency = ["", ""] if knows_answer else [f"{r.p50_us:.0f}", f"{r.p99_us:.0f}"]
         cells = [r.dataset, r.label, r.drafter, f"{r.mat:.3f}", ratio, share, f"{r.hit_rate:.1%}",
                  f"{r.mean_nodes:.1f}", *latency]
         lines.append("| " + " | ".join(cells) + " |")

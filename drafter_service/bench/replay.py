@@ -201,10 +201,7 @@ def replay(drafter: ReplayDrafter, requests: Sequence[Request], budget: int, dat
             untimed = getattr(drafter, "untimed_ns", 0)
             result.latencies_ns.append(clock() - t0 - (untimed - untimed_before))
             untimed_before = untimed
-            if len(tree) > budget:
-                raise AssertionError(f"{drafter.name} drafted {len(tree)} nodes over the budget {budget}")
-            if mode == "chain" and tree.parents != tuple(range(-1, len(tree) - 1)):
-                raise AssertionError(f"{drafter.name} drafted a tree, not a chain, in chain mode")
+            _check_draft(drafter.name, tree, budget, mode)
             accepted, _ = accept_greedy(tree, out[pos:])
             advance = min(accepted + 1, len(out) - pos)
             result.steps += 1
@@ -222,4 +219,66 @@ def replay(drafter: ReplayDrafter, requests: Sequence[Request], budget: int, dat
     model = getattr(getattr(drafter, "core", None), "draft_model", None)
     if model is not None and model.steps:
         result.model_hit_rate = model.hits / model.steps
+    return result
+
+
+def _check_draft(name: str, tree: DraftTree, budget: int, mode: Mode) -> None:
+    """Refuse a draft over the budget, or a tree in chain mode."""
+    if len(tree) > budget:
+        raise AssertionError(f"{name} drafted {len(tree)} nodes over the budget {budget}")
+    if mode == "chain" and tree.parents != tuple(range(-1, len(tree) - 1)):
+        raise AssertionError(f"{name} drafted a tree, not a chain, in chain mode")
+
+
+def hindsight_name(names: Sequence[str]) -> str:
+    """The row name of the hindsight choice among drafters named ``names``."""
+    return f"hindsight({','.join(names)})"
+
+
+def replay_hindsight(drafters: Sequence[ReplayDrafter], requests: Sequence[Request], budget: int, dataset: str = "",
+                     progress: Callable[[int], None] | None = None, mode: Mode = "tree") -> ReplayResult:
+    """The ceiling of choosing among ``drafters``: each step, take the draft that got the most tokens accepted.
+
+    Every drafter drafts each step from the same sequence (as in ``replay``, with the same budget or chain length);
+    the step accepts the most that any of them got accepted, and all of them advance by those tokens plus the
+    target's own. No selector that looks only at the drafts can do better than this one, which looks at the answer:
+    it bounds what ranking the drafters' candidates against one another can reach. Its latencies are not recorded.
+    """
+    if mode not in ("tree", "chain"):
+        raise ValueError(f"mode must be 'tree' or 'chain', got {mode!r}")
+    if not drafters:
+        raise ValueError("the hindsight choice needs at least one drafter")
+    result = ReplayResult(hindsight_name([d.name for d in drafters]), dataset, budget, mode)
+    proposers = [(d, chain_proposer(d) if mode == "chain" else d.propose) for d in drafters]
+    for done, req in enumerate(requests):
+        rid = req.request_id or f"r{done}"
+        for d in drafters:
+            d.start(rid, req.prompt.tolist())
+        out = req.output.tolist()
+        pos = 0
+        pending: list[int] = []
+        while pos < len(out):
+            accepted, nodes = -1, 0
+            for d, draft in proposers:
+                if pending:
+                    d.extend(rid, pending)
+                tree = draft(rid, budget)
+                _check_draft(d.name, tree, budget, mode)
+                got, _ = accept_greedy(tree, out[pos:])
+                if got > accepted:  # ties go to the first drafter
+                    accepted, nodes = got, len(tree)
+            advance = min(accepted + 1, len(out) - pos)
+            result.steps += 1
+            result.emitted += advance
+            result.hits += accepted > 0
+            result.nodes += nodes
+            pending = out[pos:pos + advance]
+            pos += advance
+        for d in drafters:
+            if pending:
+                d.extend(rid, pending)
+            d.end(rid)
+        result.requests += 1
+        if progress is not None:
+            progress(done + 1)
     return result

@@ -58,3 +58,13 @@ def test_card_variants_keep_their_order_and_refuse_unknown_names() -> None:
     for bad in ("drafter+card,cardd", ",", ""):
         with pytest.raises(SystemExit, match="--card-variants"):
             card_variants(bad)
+
+
+def test_the_hindsight_choice_is_compared_with_the_best_peer_but_is_none() -> None:
+    results = [_result("drafter", "chain", 4, 100, 200), _result("peer", "chain", 4, 100, 180),
+               _result("hindsight(drafter,peer)", "chain", 4, 100, 260)]
+    table = format_table(results)
+    assert _row(table, "chain 4", "drafter")[4] == f"{2.0 / 1.8:.2f}×"  # the hindsight row is not the best peer
+    row = _row(table, "chain 4", "hindsight(drafter,peer)")
+    assert row[4] == f"{2.6 / 1.8:.2f}×"
+    assert row[8] == row[9] == ""  # it knows the answer: no draft cost to report

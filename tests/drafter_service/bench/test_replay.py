@@ -9,10 +9,18 @@ import numpy as np
 import pytest
 
 import engine_client.vllm as vllm_module
-from drafter_service.api.tree import DraftTree, accept_greedy, best_chain
+from drafter_service.api.tree import EMPTY_TREE, DraftTree, accept_greedy, best_chain, chain
 from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
 from drafter_service.bench.protocol import ChainDrafter, ReplayDrafter
-from drafter_service.bench.replay import CoreDrafter, chain_proposer, path_tree, replay
+from drafter_service.bench.replay import (
+    CoreDrafter,
+    Mode,
+    chain_proposer,
+    hindsight_name,
+    path_tree,
+    replay,
+    replay_hindsight,
+)
 from drafter_service.core.drafter import Drafter
 from drafter_service.datasets.loaders import Request
 from engine_client.vllm import DrafterProposer
@@ -207,3 +215,58 @@ def test_drafter_chains_are_the_vllm_proposers_chains(monkeypatch, k: int) -> No
         proposer.propose([], np.zeros(0, dtype=np.int32), tokens)  # a step without rows ends the request
     assert drafted > 0
     assert CoreClient.built[-1].max_nodes == max(16, 2 * k)
+
+
+class HalfKnowing:
+    """Drafts the true continuation, but only over one half of each answer (the first or the second); else nothing."""
+
+    def __init__(self, name: str, requests: Sequence[Request], first_half: bool) -> None:
+        self.name = name
+        self.outputs = {r.request_id: r.output.tolist() for r in requests}
+        self.first_half = first_half
+        self.pos: dict[str, int] = {}
+
+    def start(self, request_id: str, prompt: Sequence[int]) -> None:
+        self.pos[request_id] = 0
+
+    def extend(self, request_id: str, tokens: Sequence[int]) -> None:
+        out, pos = self.outputs[request_id], self.pos[request_id]
+        assert list(tokens) == out[pos:pos + len(tokens)], "extended with tokens that are not the answer's next"
+        self.pos[request_id] = pos + len(tokens)
+
+    def propose(self, request_id: str, max_nodes: int) -> DraftTree:
+        out, pos = self.outputs[request_id], self.pos[request_id]
+        if (pos < len(out) // 2) != self.first_half:
+            return EMPTY_TREE
+        return chain(out[pos:pos + max_nodes])
+
+    def end(self, request_id: str) -> None:
+        assert self.pos.pop(request_id) == len(self.outputs[request_id]), "ended before the whole answer"
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_hindsight_takes_each_step_the_draft_that_got_most_accepted(mode: Mode) -> None:
+    reqs = _requests(count=3)
+    budget = 4
+    first, second = (HalfKnowing(n, reqs, h) for n, h in (("first", True), ("second", False)))
+    alone = [replay(HalfKnowing(d.name, reqs, d.first_half), reqs, budget, mode=mode) for d in (first, second)]
+    both = replay_hindsight([first, second], reqs, budget, "set", mode=mode)
+    assert both.drafter == hindsight_name(["first", "second"]) == "hindsight(first,second)"
+    # one of the two knows every step's answer: each step accepts the whole budget (or the rest of the answer)
+    assert both.emitted == sum(r.output.size for r in reqs)
+    assert both.steps == sum(-(-r.output.size // (budget + 1)) for r in reqs)
+    assert both.mat > max(r.mat for r in alone)
+    assert all(r.output.size % (budget + 1) == 0 for r in reqs)  # so every step drafts and accepts the budget
+    assert both.hits == both.steps and both.nodes == both.emitted - both.steps == budget * both.steps
+
+
+def test_hindsight_refuses_an_empty_choice_and_a_tree_in_chain_mode() -> None:
+    with pytest.raises(ValueError, match="at least one drafter"):
+        replay_hindsight([], _requests(count=1), 4)
+
+    class Forked(TreeOnly):
+        def propose_chain(self, request_id: str, k: int) -> DraftTree:
+            return DraftTree((1, 2), (-1, -1), (0.5, 0.5), 1.0)
+
+    with pytest.raises(AssertionError, match="not a chain"):
+        replay_hindsight([CoreDrafter(), Forked()], _requests(count=1), 4, mode="chain")
