@@ -162,6 +162,16 @@ class ReplayResult:
     def p99_us(self) -> float:
         return self.percentile_us(99)
 
+    def count_step(self, accepted: int, nodes: int, remaining: int) -> int:
+        """Count a step whose draft of ``nodes`` nodes had ``accepted`` tokens accepted, with ``remaining`` tokens
+        of the answer left; returns the tokens it emits (the accepted ones and the target's own)."""
+        advance = min(accepted + 1, remaining)
+        self.steps += 1
+        self.emitted += advance
+        self.hits += accepted > 0
+        self.nodes += nodes
+        return advance
+
     def as_dict(self) -> dict[str, float | int | str | None]:
         """Summary figures (no per-step data); ``k`` is the chain length in chain mode, None in tree mode."""
         return {"drafter": self.drafter, "dataset": self.dataset, "mode": self.mode, "budget": self.budget,
@@ -203,11 +213,7 @@ def replay(drafter: ReplayDrafter, requests: Sequence[Request], budget: int, dat
             untimed_before = untimed
             _check_draft(drafter.name, tree, budget, mode)
             accepted, _ = accept_greedy(tree, out[pos:])
-            advance = min(accepted + 1, len(out) - pos)
-            result.steps += 1
-            result.emitted += advance
-            result.hits += accepted > 0
-            result.nodes += len(tree)
+            advance = result.count_step(accepted, len(tree), len(out) - pos)
             pending = out[pos:pos + advance]
             pos += advance
         if pending:
@@ -267,11 +273,7 @@ def replay_hindsight(drafters: Sequence[ReplayDrafter], requests: Sequence[Reque
                 got, _ = accept_greedy(tree, out[pos:])
                 if got > accepted:  # ties go to the first drafter
                     accepted, nodes = got, len(tree)
-            advance = min(accepted + 1, len(out) - pos)
-            result.steps += 1
-            result.emitted += advance
-            result.hits += accepted > 0
-            result.nodes += nodes
+            advance = result.count_step(accepted, nodes, len(out) - pos)
             pending = out[pos:pos + advance]
             pos += advance
         for d in drafters:
