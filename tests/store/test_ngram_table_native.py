@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import array
-import gc
 import os
 import pickle
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -234,49 +236,72 @@ def test_pickle_round_trip() -> None:
 # -- memory ------------------------------------------------------------------------------------------
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def rss_growth_in_a_fresh_interpreter(body: str) -> int:
+    """Bytes of resident memory that ``body`` leaves behind when run again after a first warm-up run.
+
+    ``body`` defines ``setup()`` (run once) and ``churn()`` (run once to warm up, then 3 times while
+    measured). It runs in a child interpreter so that no thread left over from other tests allocates
+    while it is measured; what ``churn`` leaks shows up there alone.
+    """
+    script = textwrap.dedent(body) + textwrap.dedent("""
+        import gc, os
+        def rss():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        setup()
+        churn()
+        gc.collect()
+        base = rss()
+        for _ in range(3):
+            churn()
+        gc.collect()
+        print(rss() - base)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
 def test_memory_stays_flat_under_eviction() -> None:
-    rng = np.random.default_rng(0)
-    t = LRUTable(leader_len=1, follower_len=3, leader_capacity=1000, follower_capacity=16)
-    chunks = [rng.integers(0, 5000, 250_000, dtype=np.int32) for _ in range(8)]
+    grown = rss_growth_in_a_fresh_interpreter("""
+        import numpy as np
+        from store._lru import LRUTable
 
-    def churn() -> None:
-        for chunk in chunks:  # 1e6 inserts, almost all of them evicting
-            t.update(chunk)
-        for i in range(20_000):  # and through the Python-facing insert
-            t.insert((i,), (i, i + 1, i + 2))
-        t.check_invariants()
+        def setup():
+            global t, chunks
+            rng = np.random.default_rng(0)
+            t = LRUTable(leader_len=1, follower_len=3, leader_capacity=1000, follower_capacity=16)
+            chunks = [rng.integers(0, 5000, 250_000, dtype=np.int32) for _ in range(8)]
 
-    churn()
-    gc.collect()
-    base = rss_bytes()
-    for _ in range(3):
-        churn()
-    gc.collect()
-    assert rss_bytes() - base < 4 << 20
-    assert len(t) == 1000 and t.followers <= 1000 * 16
-    assert t.__sizeof__() < 1000 * (64 + 16 + 16 * 20) + 4096  # nodes, slots, follower records
+        def churn():
+            for chunk in chunks:  # 1e6 inserts, almost all of them evicting
+                t.update(chunk)
+            for i in range(20_000):  # and through the Python-facing insert
+                t.insert((i,), (i, i + 1, i + 2))
+            t.check_invariants()
+            assert len(t) == 1000 and t.followers <= 1000 * 16
+            assert t.__sizeof__() < 1000 * (64 + 16 + 16 * 20) + 4096  # nodes, slots, follower records
+    """)
+    assert grown < 4 << 20
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
 def test_dropped_tables_free_everything() -> None:
-    tokens = np.random.default_rng(1).integers(0, 20_000, 200_000, dtype=np.int32)
+    # One such table holds about 7 MB: twelve leaked ones would pass the bound many times over.
+    grown = rss_growth_in_a_fresh_interpreter("""
+        import numpy as np
+        from store._lru import LRUTable
 
-    def cycle() -> None:
-        t = LRUTable(leader_len=2, follower_len=2, leader_capacity=50_000, follower_capacity=8)
-        t.update(tokens)
-        list(t.items())
-        del t
+        def setup():
+            global tokens
+            tokens = np.random.default_rng(1).integers(0, 20_000, 200_000, dtype=np.int32)
 
-    cycle()
-    gc.collect()
-    base = rss_bytes()
-    for _ in range(10):
-        cycle()
-    gc.collect()
-    assert rss_bytes() - base < 4 << 20
+        def churn():
+            for _ in range(4):
+                t = LRUTable(leader_len=2, follower_len=2, leader_capacity=50_000, follower_capacity=8)
+                t.update(tokens)
+                list(t.items())
+                del t
+    """)
+    assert grown < 4 << 20
