@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import logging
 import os
@@ -14,15 +13,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
 
 class EmbeddedRedisError(RuntimeError):
     """The embedded server could not be found, started or stopped."""
@@ -58,15 +53,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A ``preexec_fn`` that asks Linux to SIGTERM the child when the forking thread's process dies."""
-    def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-            os._exit(127)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(0)
-    return preexec
+# Run by a fresh interpreter between the fork and valkey-server: it asks Linux to SIGTERM the process
+# when the thread that started it dies, then becomes valkey-server (the request survives execv). Doing
+# this in a ``preexec_fn`` instead would run Python code in a forked copy of this multithreaded process
+# (gRPC, torch), where a lock another thread held at the fork can hang or crash the child.
+_DIE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+parent = int(sys.argv[1])
+if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+    sys.exit("prctl(PR_SET_PDEATHSIG) failed: " + os.strerror(ctypes.get_errno()))
+if os.getppid() != parent:  # the parent died before the request took effect
+    sys.exit(0)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _dying_with_parent(command: list[str]) -> list[str]:
+    """``command`` run so that it receives SIGTERM when this process dies (Linux; elsewhere unchanged)."""
+    if not sys.platform.startswith("linux") or not sys.executable:
+        return command
+    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
 
 
 _launcher_lock = threading.Lock()
@@ -199,7 +205,7 @@ class EmbeddedRedis:
         attempts = 3 if self.requested_port == 0 else 1
         for attempt in range(attempts):
             port = self.requested_port or free_port(self.host)
-            process = self._launch(port)
+            process, failure = self._launch(port)
             if process is not None:
                 self.port = port
                 logger.info("embedded valkey-server (pid %d) serves %s with data in %s",
@@ -209,28 +215,34 @@ class EmbeddedRedis:
                 continue
             break
         raise EmbeddedRedisError(
-            f"valkey-server did not start on {self.host}:{port} within {self.startup_timeout:g} s "
+            f"valkey-server did not start on {self.host}:{port}: {failure} "
             f"(data dir {self.data_dir}); end of {self.log_path}:\n{self.log_tail()}")
 
-    def _launch(self, port: int) -> subprocess.Popen | None:
-        """Start the server on ``port``; the process once it answers, None (and no process) when it did not."""
-        preexec = _die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None
-        process = self.process = _popen_from_lasting_thread(
-            self._command(port), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, cwd=self.data_dir, preexec_fn=preexec, start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout
+    def _launch(self, port: int) -> tuple[subprocess.Popen | None, str]:
+        """Start the server on ``port``.
+
+        Returns:
+            The process once it answers and "", or None (no process left) and why it did not start.
+        """
+        with open(self.log_path, "ab") as stderr:  # what it says before its log is open lands there too
+            process = self.process = _popen_from_lasting_thread(
+                _dying_with_parent(self._command(port)), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=stderr, cwd=self.data_dir, start_new_session=True)
+        started = time.monotonic()
+        deadline = started + self.startup_timeout
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                break
+                self.process = None
+                return None, f"it exited with status {process.returncode} after {time.monotonic() - started:.1f} s"
             answer = _ping(self.host, port)
             if answer == "pong":
-                return process
+                return process, ""
             if answer == "loading":  # a large data set is being read: progress, not a hang
                 deadline = max(deadline, time.monotonic() + 1.0)
             time.sleep(0.02)
         self._terminate(timeout=2.0)
         self.process = None
-        return None
+        return None, f"it did not answer PING within {time.monotonic() - started:.0f} s"
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server (SIGTERM: it flushes the append-only file and exits); SIGKILL after ``timeout``."""

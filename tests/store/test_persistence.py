@@ -69,6 +69,13 @@ def test_embedded_server_start_failure_reports_log(tmp_path):
     assert "valkey.log" in str(err.value) and server.pid is None
 
 
+def test_embedded_server_that_exits_at_once_reports_its_status_and_what_it_printed(tmp_path):
+    server = EmbeddedRedis(tmp_path, extra_args=("--no-such-option", "1"))
+    with pytest.raises(EmbeddedRedisError, match="exited with status 1") as err:
+        server.start()
+    assert "Bad directive" in str(err.value) and server.pid is None  # its stderr, before any log was open
+
+
 def test_embedded_server_outlives_the_thread_that_started_it(tmp_path):
     server = EmbeddedRedis(tmp_path)
     starter = threading.Thread(target=server.start)
