@@ -19,6 +19,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+
 class EmbeddedRedisError(RuntimeError):
     """The embedded server could not be found, started or stopped."""
 
