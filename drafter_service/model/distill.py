@@ -429,6 +429,8 @@ def add_distill_command(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--dataset", action="append", default=[], choices=DATASET_NAMES,
                       help="a built-in data set, tokenized with SmolLM2's tokenizer (repeatable)")
     data.add_argument("--limit", type=int, help="requests per data set (default: each set's own)")
+    data.add_argument("--skip", type=int, default=0,
+                      help="requests skipped first in each data set (keeps a replay's requests out of training)")
     data.add_argument("--mix", choices=("balanced", "pooled"), default="balanced",
                       help="sources take turns (balanced) or share one pool of windows (pooled)")
     data.add_argument("--eval-requests", type=int, default=d["eval_requests"].default,
@@ -480,7 +482,8 @@ def run_distill(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
-        sources = load_sources(args.redis_url, args.data_dir, args.namespace, args.tokens, args.dataset, args.limit)
+        sources = load_sources(args.redis_url, args.data_dir, args.namespace, args.tokens, args.dataset, args.limit,
+                               args.skip)
         result = distill(config, sources)
     except (ValueError, OSError, PersistenceError, EmbeddedRedisError) as exc:  # bad settings, data or storage
         raise SystemExit(f"distill-draft: {exc}") from None

@@ -57,7 +57,8 @@ def redis_sequences(url: str, namespace: str) -> list[np.ndarray]:
 
 
 def load_sources(redis_url: str | None = None, data_dir: str | None = None, namespace: str = "default",
-                 tokens: Sequence[str] = (), datasets: Sequence[str] = (), limit: int | None = None) -> list[Source]:
+                 tokens: Sequence[str] = (), datasets: Sequence[str] = (), limit: int | None = None,
+                 skip: int = 0) -> list[Source]:
     """Read every named source, in this order: Redis, data dir, token files, data sets.
 
     Args:
@@ -67,6 +68,8 @@ def load_sources(redis_url: str | None = None, data_dir: str | None = None, name
         tokens: request JSONL files (see :func:`read_token_file`).
         datasets: built-in data set names (:data:`~drafter_service.datasets.loaders.DATASET_NAMES`).
         limit: requests per data set (None: each set's default).
+        skip: requests skipped first in each data set, which then gives requests [skip, skip + limit) (with no
+            ``limit``: those of its default after the first ``skip``), e.g. to keep a replay's requests out.
 
     Raises:
         DistillError: when no source is named.
@@ -81,8 +84,13 @@ def load_sources(redis_url: str | None = None, data_dir: str | None = None, name
             sources.append((f"data-dir:{namespace}", redis_sequences(server.url, namespace)))
     for path in tokens:
         sources.append((pathlib.Path(path).stem, read_token_file(path)))
+    if skip < 0:
+        raise DistillError(f"--skip must be >= 0, got {skip}")
     for name in datasets:
-        sources.append((name, [np.concatenate([r.prompt, r.output]) for r in load_dataset(name, limit)]))
+        reqs = load_dataset(name, None if limit is None else skip + limit)[skip:]
+        if not reqs:
+            raise DistillError(f"data set {name} has no requests after skipping {skip}")
+        sources.append((name, [np.concatenate([r.prompt, r.output]) for r in reqs]))
     if not sources:
         raise DistillError("no training data: give --redis-url, --data-dir, --tokens or --dataset")
     for name, seqs in sources:

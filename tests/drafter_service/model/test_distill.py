@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafter_service.datasets.loaders import Request, write_requests
+from drafter_service.datasets.loaders import Request, load_dataset, write_requests
 from drafter_service.model.distill import CHECKPOINT, DistillConfig, add_distill_command, distill, find_checkpoint
-from drafter_service.model.distill_data import read_token_file, split_requests
+from drafter_service.model.distill_data import DistillError, load_sources, read_token_file, split_requests
 from drafter_service.model.draft_model import (
     DRAFT_META,
     TOKEN_COUNTS,
@@ -200,6 +200,17 @@ def test_cli_needs_a_data_source_and_a_budget(target_dir, tmp_path):
         _run(["--target", str(target_dir), "--out", str(tmp_path), "--steps", "1"])
     with pytest.raises(SystemExit, match="--steps and/or --minutes"):
         _run(["--target", str(target_dir), "--out", str(tmp_path), "--dataset", "mtbench"])
+
+
+def test_skip_leaves_a_data_sets_first_requests_out():
+    first = load_dataset("mtbench", 6)
+    [(name, seqs)] = load_sources(datasets=["mtbench"], limit=2, skip=4)
+    assert name == "mtbench"
+    assert [s.tolist() for s in seqs] == [np.concatenate([r.prompt, r.output]).tolist() for r in first[4:6]]
+    with pytest.raises(DistillError, match="no requests after skipping"):
+        load_sources(datasets=["mtbench"], limit=2, skip=10**6)
+    with pytest.raises(DistillError, match="--skip must be >= 0"):
+        load_sources(datasets=["mtbench"], skip=-1)
 
 
 def test_held_out_requests_come_from_every_source_in_turn():
