@@ -72,8 +72,10 @@ def load_sources(redis_url: str | None = None, data_dir: str | None = None, name
             ``limit``: those of its default after the first ``skip``), e.g. to keep a replay's requests out.
 
     Raises:
-        DistillError: when no source is named.
+        DistillError: when no source is named, ``skip`` is negative or leaves a data set empty.
     """
+    if skip < 0:  # checked before any source is read
+        raise DistillError(f"--skip must be >= 0, got {skip}")
     sources: list[Source] = []
     if redis_url:
         sources.append((f"redis:{namespace}", redis_sequences(redis_url, namespace)))
@@ -84,8 +86,6 @@ def load_sources(redis_url: str | None = None, data_dir: str | None = None, name
             sources.append((f"data-dir:{namespace}", redis_sequences(server.url, namespace)))
     for path in tokens:
         sources.append((pathlib.Path(path).stem, read_token_file(path)))
-    if skip < 0:
-        raise DistillError(f"--skip must be >= 0, got {skip}")
     for name in datasets:
         reqs = load_dataset(name, None if limit is None else skip + limit)[skip:]
         if not reqs:
