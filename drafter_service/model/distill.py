@@ -33,9 +33,11 @@ from drafter_service.model.distill_data import (
 )
 from drafter_service.model.draft_model import (
     DraftMeta,
+    DraftModelError,
     build_draft_from_target,
     choose_layers,
     decode_step_ms,
+    load_draft_model,
     output_vocab_size,
     save_token_counts,
 )
@@ -84,6 +86,8 @@ class DistillConfig:
         threads: torch CPU threads (None: torch's default).
         device: where both models run ("cpu", "cuda", ...).
         resume: continue from the checkpoint in ``out``.
+        init: folder of an earlier draft to start from instead of the target's layers (adapts a draft to new
+            data); it must have ``num_layers`` layers and the target's vocabulary.
     """
 
     target: str
@@ -106,10 +110,11 @@ class DistillConfig:
     threads: int | None = None
     device: str = "cpu"
     resume: bool = False
+    init: str | None = None
 
     #: Settings a resumed run must share with its checkpoint.
     RESUME_KEYS = ("num_layers", "layer_choice", "seq_len", "batch", "lr", "warmup", "schedule", "target_dtype",
-                   "eval_requests", "mix", "seed")
+                   "eval_requests", "mix", "seed", "init")
 
     def __post_init__(self) -> None:
         if self.steps is None and self.minutes is None:
@@ -289,7 +294,9 @@ def _start(config: DistillConfig, target: PreTrainedModel, train_windows: int
     if not config.resume:
         if found is not None:
             raise DistillError(f"{out} already holds a checkpoint; pass --resume to continue it or remove it")
-        return build_draft_from_target(target, config.num_layers, config.layer_choice), None
+        if config.init is None:
+            return build_draft_from_target(target, config.num_layers, config.layer_choice), None
+        return _initial_draft(config.init, config.num_layers, output_vocab_size(target)), None
     if found is None:
         raise DistillError(f"no checkpoint in {out} to resume from")
     state = torch.load(found / TRAINER_STATE, map_location="cpu", weights_only=True)
@@ -305,6 +312,19 @@ def _start(config: DistillConfig, target: PreTrainedModel, train_windows: int
         raise DistillError(f"the training data differs from the checkpoint's ({train_windows} windows now, "
                            f"{state['train_windows']} then)")
     return AutoModelForCausalLM.from_pretrained(found, dtype=torch.float32), state
+
+
+def _initial_draft(folder: str, num_layers: int, vocab: int) -> PreTrainedModel:
+    """The earlier draft in ``folder`` to continue training, checked against the run's layers and vocabulary."""
+    try:
+        draft = load_draft_model(folder, vocab_size=vocab)
+    except DraftModelError as exc:
+        raise DistillError(f"--init: {exc}") from None
+    layers = int(draft.config.num_hidden_layers)
+    if layers != num_layers:
+        raise DistillError(f"--init: the draft in {folder} has {layers} layers, not {num_layers}; "
+                           f"pass --layers {layers}")
+    return draft
 
 
 def distill(config: DistillConfig, sources: list[Source], progress: bool = True) -> DistillResult:
@@ -397,9 +417,11 @@ def _finish(config: DistillConfig, draft: PreTrainedModel, target: PreTrainedMod
         draft_ms[name] = decode_step_ms(copy.deepcopy(draft).to(dtype))
         target_ms[name] = decode_step_ms(target if target.dtype == dtype else copy.deepcopy(target).to(dtype))
     draft.save_pretrained(config.out)
-    layers = choose_layers(target.config.num_hidden_layers, config.num_layers, config.layer_choice)
-    meta = DraftMeta(vocab, config.target, config.num_layers, source_layers=layers, steps=state["step"],
-                     tokens_seen=state["tokens_seen"], agreement_before=state["agreement_before"],
+    earlier = DraftMeta.read(config.init) if config.init else None
+    layers = earlier.source_layers if earlier is not None else choose_layers(
+        target.config.num_hidden_layers, config.num_layers, config.layer_choice)
+    meta = DraftMeta(vocab, config.target, config.num_layers, source_layers=layers, initial_draft=config.init or "",
+                     steps=state["step"], tokens_seen=state["tokens_seen"], agreement_before=state["agreement_before"],
                      agreement_after=after, agreement_by_source=by_source, eval_tokens=n_eval,
                      draft_step_ms=draft_ms, target_step_ms=target_ms,
                      kl_before=state["kl_before"], kl_after=kl_after)
@@ -457,6 +479,8 @@ def add_distill_command(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"].default,
                     help="steps between checkpoints")
     tr.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    tr.add_argument("--init", help="start from this earlier draft's weights instead of the target's layers "
+                    "(adapts a draft to new data, such as a deployment's own requests); --layers must match it")
     p.set_defaults(func=run_distill)
 
 
@@ -472,7 +496,7 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         steps=args.steps, minutes=args.minutes, target_dtype=args.target_dtype, autocast=args.autocast,
         eval_requests=args.eval_requests,
         checkpoint_every=args.checkpoint_every, mix=args.mix, seed=args.seed, threads=args.threads,
-        device=args.device, resume=args.resume)
+        device=args.device, resume=args.resume, init=args.init)
 
 
 def run_distill(args: argparse.Namespace) -> int:

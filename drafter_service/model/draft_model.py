@@ -44,6 +44,7 @@ class DraftMeta:
         target: name or path of the target model it was distilled from.
         num_layers: decoder layers of the draft.
         source_layers: the target layers each draft layer was initialised from.
+        initial_draft: the earlier draft this one continued training from (empty: built from the target).
         steps: optimisation steps done.
         tokens_seen: training positions processed.
         agreement_before: top-1 agreement with the target on held-out data before training.
@@ -61,6 +62,7 @@ class DraftMeta:
     target: str
     num_layers: int
     source_layers: list[int] = field(default_factory=list)
+    initial_draft: str = ""
     steps: int = 0
     tokens_seen: int = 0
     agreement_before: float | None = None

@@ -155,6 +155,29 @@ def test_resume_refuses_another_layer_count_and_a_missing_checkpoint(target_dir,
         distill(_config(target_dir, tmp_path / "none", resume=True), _sources(corpus))
 
 
+def test_init_starts_from_an_earlier_draft_and_records_it(target_dir, corpus, tmp_path):
+    first = distill(_config(target_dir, tmp_path / "first", steps=10), _sources(corpus), progress=False).meta
+    same = distill(_config(target_dir, tmp_path / "same", steps=0, init=str(tmp_path / "first")), _sources(corpus),
+                   progress=False).meta
+    assert same.agreement_before == first.agreement_after and same.kl_before == pytest.approx(first.kl_after)
+    assert same.initial_draft == str(tmp_path / "first") and same.source_layers == first.source_layers
+    a = load_draft_model(tmp_path / "first").state_dict()
+    b = load_draft_model(tmp_path / "same").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    more = distill(_config(target_dir, tmp_path / "more", steps=10, init=str(tmp_path / "first")), _sources(corpus),
+                   progress=False).meta
+    assert more.kl_after < more.kl_before == pytest.approx(first.kl_after)
+
+
+def test_init_refuses_another_layer_count_and_a_missing_draft(target_dir, corpus, tmp_path):
+    distill(_config(target_dir, tmp_path / "first", steps=2), _sources(corpus), progress=False)
+    with pytest.raises(ValueError, match="has 2 layers, not 3; pass --layers 2"):
+        distill(_config(target_dir, tmp_path / "out", num_layers=3, init=str(tmp_path / "first")), _sources(corpus))
+    with pytest.raises(ValueError, match="--init: no draft model"):
+        distill(_config(target_dir, tmp_path / "out", init=str(tmp_path / "none")), _sources(corpus))
+    assert find_checkpoint(tmp_path / "out") is None
+
+
 def test_cli_trains_from_tokens_and_warm_files(target_dir, corpus, tmp_path, capsys):
     warm = tmp_path / "e2e-warm.jsonl"  # the e2e benchmark's warm-up format
     warm.write_text("".join(json.dumps({"id": f"w{i}", "prompt": [1, 2, 3], "output": [4, 5, 6, 7] * 5}) + "\n"
