@@ -86,9 +86,6 @@ class DistillConfig:
         threads: torch CPU threads (None: torch's default).
         device: where both models run ("cpu", "cuda", ...).
         resume: continue from the checkpoint in ``out``.
-        text_weight: weight of the recorded next token in the training goal, blended with the target's
-            distribution (0: plain distillation; 1: next-token cross-entropy on the recorded text, without
-            running the target).
         init: folder of an earlier draft to start from instead of the target's layers (adapts a draft to new
             data); it must have ``num_layers`` layers and the target's vocabulary.
     """
@@ -114,11 +111,10 @@ class DistillConfig:
     device: str = "cpu"
     resume: bool = False
     init: str | None = None
-    text_weight: float = 0.0
 
     #: Settings a resumed run must share with its checkpoint.
     RESUME_KEYS = ("num_layers", "layer_choice", "seq_len", "batch", "lr", "warmup", "schedule", "target_dtype",
-                   "eval_requests", "mix", "seed", "init", "text_weight")
+                   "eval_requests", "mix", "seed", "init")
 
     def __post_init__(self) -> None:
         if self.steps is None and self.minutes is None:
@@ -129,8 +125,7 @@ class DistillConfig:
                   "checkpoint_every": self.checkpoint_every >= 1, "threads": self.threads is None or self.threads >= 1,
                   "schedule": self.schedule in ("cosine", "constant"), "mix": self.mix in ("balanced", "pooled"),
                   "target_dtype": self.target_dtype in ("auto", "bfloat16", "float32"),
-                  "layer_choice": self.layer_choice in ("spread", "first"),
-                  "text_weight": 0.0 <= self.text_weight <= 1.0}
+                  "layer_choice": self.layer_choice in ("spread", "first")}
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"bad setting(s): {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
@@ -166,55 +161,42 @@ class DistillResult:
 
 
 def distill_batch(draft: PreTrainedModel, target: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor,
-                  train: bool = True, autocast: bool = False, text_weight: float = 0.0) -> tuple[float, int, int]:
-    """KL(goal || draft) over the real positions of a batch; with ``train`` also the draft's gradients.
+                  train: bool = True, autocast: bool = False) -> tuple[float, int, int]:
+    """KL(target || draft) over the real positions of a batch; with ``train`` also the draft's gradients.
 
-    The goal at each position is the target's next-token distribution blended with the recorded next token:
-    ``(1 - text_weight) * softmax(target) + text_weight * onehot(next token)``. With ``text_weight`` 0 it is the
-    target's distribution (plain distillation, every real position); above 0 only positions whose next token
-    is in the batch count; at 1 the target is not run at all (next-token cross-entropy on the recorded text).
-    The mean KL's gradient with respect to the draft's logits is ``(softmax(draft) - goal) / n``, applied chunk
-    by chunk so that no more than :data:`LOGIT_CHUNK` rows of full-vocabulary logits exist at once. With
-    ``autocast`` the draft's matrix products run in bfloat16 (its weights stay as they are).
+    The mean KL's gradient with respect to the draft's logits is ``(softmax(draft) - softmax(target)) / n``,
+    applied chunk by chunk so that no more than :data:`LOGIT_CHUNK` rows of full-vocabulary logits exist at once.
+    With ``autocast`` the draft's matrix products run in bfloat16 (its weights stay as they are).
 
     Returns:
-        (KL summed over positions, positions where the draft's argmax is the goal's, positions).
+        (KL summed over positions, positions where both argmaxes agree, positions).
     """
     import torch
+    import torch.nn.functional as F
 
     ids, mask = ids.to(draft.device), mask.to(draft.device)
     mixed = torch.autocast(draft.device.type, dtype=torch.bfloat16, enabled=autocast)
-    labels = torch.full_like(ids, -1)
-    labels[:, :-1] = torch.where(mask[:, 1:], ids[:, 1:], -1)  # the recorded next token, -1 where none
-    labels = labels.flatten()
-    use_target = text_weight < 1.0
-    t_hidden = None
-    if use_target:
-        with torch.no_grad():
-            t_hidden = target.model(ids).last_hidden_state.flatten(0, 1)  # (B*T, H) target dtype
+    with torch.no_grad():
+        t_hidden = target.model(ids).last_hidden_state.flatten(0, 1)  # (B*T, H) target dtype
     with torch.set_grad_enabled(train), mixed:
         hidden = draft.model(ids).last_hidden_state  # (B, T, H) float32 (bfloat16 with autocast)
     flat = hidden.detach().flatten(0, 1).requires_grad_(train)  # (B*T, H)
-    real = mask.flatten() & (labels >= 0) if text_weight > 0 else mask.flatten()
-    positions = real.nonzero().squeeze(1)  # (n,) int64
+    positions = mask.flatten().nonzero().squeeze(1)  # (n,) int64
     n, kl_sum, agree = int(positions.numel()), 0.0, 0
     for start in range(0, n, LOGIT_CHUNK):
         idx = positions[start:start + LOGIT_CHUNK]
+        with torch.no_grad():
+            t_logits = target.get_output_embeddings()(t_hidden[idx])  # (c, V) target dtype
+            t_logp = torch.log_softmax(t_logits.float(), -1)  # (c, V) float32
         with torch.set_grad_enabled(train), mixed:
             logits = draft.get_output_embeddings()(flat[idx])  # (c, V) float32 (bfloat16 with autocast)
         with torch.no_grad():
-            goal = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-            if t_hidden is not None:
-                t_logits = target.get_output_embeddings()(t_hidden[idx])  # (c, V) target dtype
-                goal += torch.softmax(t_logits.float(), -1).mul_(1.0 - text_weight)
-            if text_weight > 0:
-                goal.scatter_add_(1, labels[idx, None], torch.full((len(idx), 1), text_weight, device=goal.device))
             d_logp = torch.log_softmax(logits.float(), -1)
-            kl_sum += float((torch.special.xlogy(goal, goal) - goal * d_logp).sum())
-            agree += int((logits.argmax(-1) == goal.argmax(-1)).sum())
-        if train:  # in place: (softmax(draft) - goal) / n
-            logits.backward(d_logp.exp_().sub_(goal).div_(n).to(logits.dtype))
-    if train and flat.grad is not None:  # None when no position counted
+            kl_sum += float(F.kl_div(d_logp, t_logp, reduction="sum", log_target=True))
+            agree += int((logits.argmax(-1) == t_logits.argmax(-1)).sum())
+        if train:  # in place: (softmax(draft) - softmax(target)) / n
+            logits.backward(d_logp.exp_().sub_(t_logp.exp_()).div_(n).to(logits.dtype))
+    if train:
         hidden.backward(flat.grad.view_as(hidden))
     return kl_sum, agree, n
 
@@ -322,8 +304,7 @@ def _start(config: DistillConfig, target: PreTrainedModel, train_windows: int
     if saved["num_layers"] != config.num_layers:
         raise DistillError(f"the checkpoint in {out} has {saved['num_layers']} layers, not {config.num_layers}; "
                            "use the same --layers or another --out")
-    defaults = DistillConfig.__dataclass_fields__  # keys newer than the checkpoint hold their defaults there
-    changed = [k for k in config.RESUME_KEYS if saved.get(k, defaults[k].default) != getattr(config, k)]
+    changed = [k for k in config.RESUME_KEYS if saved.get(k) != getattr(config, k)]
     if changed:
         raise DistillError("--resume needs the checkpoint's settings; changed: "
                            + ", ".join(f"{k} ({saved.get(k)!r} -> {getattr(config, k)!r})" for k in changed))
@@ -399,8 +380,7 @@ def distill(config: DistillConfig, sources: list[Source], progress: bool = True)
                 (config.minutes is None or time.perf_counter() - t0 < 60 * config.minutes):
             pos = state["position"]
             ids, mask = pad_batch([stream[g] for g in range(pos, pos + config.batch)])
-            kl, agree, n = distill_batch(draft, target, ids, mask, autocast=bool(config.autocast),
-                                         text_weight=config.text_weight)
+            kl, agree, n = distill_batch(draft, target, ids, mask, autocast=bool(config.autocast))
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             scheduler.step()
@@ -499,10 +479,6 @@ def add_distill_command(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"].default,
                     help="steps between checkpoints")
     tr.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    tr.add_argument("--text-weight", type=float, default=d["text_weight"].default,
-                    help="weight of the recorded next token in the training goal, blended with the target's "
-                    "distribution: 0 distils the target only; 1 trains on the recorded text only, without running "
-                    "the target (several times faster; fits when the requests hold the target's own outputs)")
     tr.add_argument("--init", help="start from this earlier draft's weights instead of the target's layers "
                     "(adapts a draft to new data, such as a deployment's own requests); --layers must match it")
     p.set_defaults(func=run_distill)
@@ -520,8 +496,7 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         steps=args.steps, minutes=args.minutes, target_dtype=args.target_dtype, autocast=args.autocast,
         eval_requests=args.eval_requests,
         checkpoint_every=args.checkpoint_every, mix=args.mix, seed=args.seed, threads=args.threads,
-        device=args.device, resume=args.resume, init=args.init,
-        text_weight=args.text_weight)
+        device=args.device, resume=args.resume, init=args.init)
 
 
 def run_distill(args: argparse.Namespace) -> int:

@@ -12,14 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafter_service.datasets.loaders import Request, load_dataset, write_requests
-from drafter_service.model.distill import (
-    CHECKPOINT,
-    DistillConfig,
-    add_distill_command,
-    distill,
-    distill_batch,
-    find_checkpoint,
-)
+from drafter_service.model.distill import CHECKPOINT, DistillConfig, add_distill_command, distill, find_checkpoint
 from drafter_service.model.distill_data import DistillError, load_sources, read_token_file, split_requests
 from drafter_service.model.draft_model import (
     DRAFT_META,
@@ -160,42 +153,6 @@ def test_resume_refuses_another_layer_count_and_a_missing_checkpoint(target_dir,
         distill(_config(target_dir, tmp_path / "out"), _sources(corpus))
     with pytest.raises(ValueError, match="no checkpoint"):
         distill(_config(target_dir, tmp_path / "none", resume=True), _sources(corpus))
-
-
-@pytest.mark.parametrize("weight", [0.0, 0.5, 1.0])
-def test_text_weight_blends_distillation_with_the_recorded_next_token(target_dir, weight):
-    import torch.nn.functional as F
-
-    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    draft = build_draft_from_target(target, 2).train()
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    mask[1, 9:] = False  # a shorter window: padding has no next token and is never counted
-    kl, _, n = distill_batch(draft, None if weight == 1 else target, ids, mask, text_weight=weight)
-    ours = [p.grad.clone() for p in draft.parameters()]
-    draft.zero_grad()
-    labels = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1)
-    counted = mask & torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], 1) if weight else mask
-    logp = torch.log_softmax(draft(ids).logits[counted], -1)
-    with torch.no_grad():
-        t_logp = torch.log_softmax(target(ids).logits[counted], -1)
-    loss = ((1 - weight) * F.kl_div(logp, t_logp, reduction="sum", log_target=True)
-            + weight * F.nll_loss(logp, labels[counted], reduction="sum"))
-    (loss / counted.sum()).backward()
-    assert n == int(counted.sum()) == (19 if weight else 21)
-    assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(ours, draft.parameters(), strict=True))
-    assert kl >= 0 and (weight or kl == pytest.approx(float(loss), rel=1e-4))
-
-
-def test_text_weight_must_lie_between_0_and_1(target_dir, corpus, tmp_path):
-    with pytest.raises(ValueError, match="text_weight=1.5"):
-        _config(target_dir, tmp_path / "out", text_weight=1.5)
-    argv = ["--target", str(target_dir), "--out", str(tmp_path / "out"), "--tokens", str(corpus), "--layers", "1",
-            "--steps", "2", "--seq-len", "16", "--batch", "2", "--eval-requests", "2", "--target-dtype", "float32",
-            "--text-weight", "1"]
-    assert _run(argv) == 0
-    state = torch.load(find_checkpoint(tmp_path / "out") / "trainer.pt", weights_only=True)
-    assert state["config"]["text_weight"] == 1.0
 
 
 def test_init_starts_from_an_earlier_draft_and_records_it(target_dir, corpus, tmp_path):
