@@ -221,11 +221,20 @@ def decode_step_ms(model: PreTrainedModel, context: int = 64, steps: int = 32, w
     return 1000.0 * statistics.median(times)
 
 
-def save_token_counts(folder: str | pathlib.Path, sequences: Sequence[np.ndarray], vocab_size: int) -> None:
-    """Write :data:`TOKEN_COUNTS`: how often each token occurs in ``sequences`` (the training data)."""
+def save_token_counts(folder: str | pathlib.Path, sequences: Sequence[np.ndarray], vocab_size: int,
+                      earlier: str | pathlib.Path | None = None) -> None:
+    """Write :data:`TOKEN_COUNTS`: how often each token occurs in ``sequences`` (the training data).
+
+    Args:
+        earlier: folder of the draft this one continued training (``--init``): its counts are added, since the
+            draft learnt from that data too (a draft without counts there adds nothing).
+    """
     import numpy as np
 
     counts = np.zeros(vocab_size, dtype=np.int64)
+    if earlier is not None and (pathlib.Path(earlier) / TOKEN_COUNTS).is_file():
+        before = np.load(pathlib.Path(earlier) / TOKEN_COUNTS)
+        counts[:min(vocab_size, before.size)] += before[:vocab_size].astype(np.int64)
     for seq in sequences:
         counts += np.bincount(seq[(seq >= 0) & (seq < vocab_size)], minlength=vocab_size)
     np.save(pathlib.Path(folder) / TOKEN_COUNTS, counts)

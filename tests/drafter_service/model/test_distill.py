@@ -164,6 +164,9 @@ def test_init_starts_from_an_earlier_draft_and_records_it(target_dir, corpus, tm
     a = load_draft_model(tmp_path / "first").state_dict()
     b = load_draft_model(tmp_path / "same").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    first_counts = np.load(tmp_path / "first" / TOKEN_COUNTS)  # the draft has learnt from both runs' data
+    assert first_counts.sum() > 0
+    assert np.array_equal(np.load(tmp_path / "same" / TOKEN_COUNTS), 2 * first_counts)
     more = distill(_config(target_dir, tmp_path / "more", steps=10, init=str(tmp_path / "first")), _sources(corpus),
                    progress=False).meta
     assert more.kl_after < more.kl_before == pytest.approx(first.kl_after)
