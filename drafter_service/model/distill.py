@@ -401,8 +401,7 @@ def distill(config: DistillConfig, sources: list[Source], progress: bool = True)
         meta = DraftMeta(vocab, config.target, config.num_layers, steps=state["step"],
                          tokens_seen=state["tokens_seen"], agreement_before=state["agreement_before"])
         return DistillResult(meta, True, tokens_per_s)
-    save_token_counts(config.out, [seq for _, seqs in train_sources for seq in seqs], vocab,
-                      config.init)
+    save_token_counts(config.out, [seq for _, seqs in train_sources for seq in seqs], vocab, config.init)
     return DistillResult(_finish(config, draft.eval(), target, held, state, vocab), False, tokens_per_s)
 
 

@@ -232,9 +232,10 @@ def save_token_counts(folder: str | pathlib.Path, sequences: Sequence[np.ndarray
     import numpy as np
 
     counts = np.zeros(vocab_size, dtype=np.int64)
-    if earlier is not None and (pathlib.Path(earlier) / TOKEN_COUNTS).is_file():
-        before = np.load(pathlib.Path(earlier) / TOKEN_COUNTS)
-        counts[:min(vocab_size, before.size)] += before[:vocab_size].astype(np.int64)
+    earlier_file = pathlib.Path(earlier) / TOKEN_COUNTS if earlier is not None else None
+    if earlier_file is not None and earlier_file.is_file():
+        before = np.load(earlier_file)[:vocab_size]
+        counts[:before.size] += before
     for seq in sequences:
         counts += np.bincount(seq[(seq >= 0) & (seq < vocab_size)], minlength=vocab_size)
     np.save(pathlib.Path(folder) / TOKEN_COUNTS, counts)
