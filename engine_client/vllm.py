@@ -37,6 +37,10 @@ def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
         raise ValueError(f"{name}={raw!r} is not a number") from None
 
 
+#: The chain cut without the cost-aware budget: a token must be expected to be accepted this often.
+FIXED_MIN_PROB = 0.05
+
+
 @dataclass(frozen=True)
 class ProposerSettings:
     """How the proposer reaches the service and cuts its trees into chains.
@@ -47,7 +51,7 @@ class ProposerSettings:
         timeout: seconds one step's DraftBatch call may take; past it the step gets no drafts.
         max_nodes: nodes of the tree asked for per request (0: twice the speculative length, at least 16).
         min_prob: acceptance estimate a chain token must reach to be proposed (what verifying one more token
-            costs, in accepted tokens).
+            costs, in accepted tokens); None: ``chain_min_prob`` decides.
         stats_file: a JSON file the proposer rewrites with its step counts and times ("" = none).
         cost_aware: cut each step's chains to the tokens worth verifying by the step time measured against tokens
             in the batch (``VerifyBudget.choose_batch``, the rule the reference engine and the service use), so
@@ -59,7 +63,7 @@ class ProposerSettings:
     namespace: str = ""
     timeout: float = 0.1
     max_nodes: int = 0
-    min_prob: float = 0.05
+    min_prob: float | None = None
     stats_file: str = ""
     cost_aware: bool = True
     security: ClientSecurity = field(default_factory=ClientSecurity)
@@ -82,14 +86,23 @@ class ProposerSettings:
                        namespace=env.get("DRAFTER_NAMESPACE", default.namespace),
                        timeout=_env_float(env, "DRAFTER_TIMEOUT", default.timeout),
                        max_nodes=int(_env_float(env, "DRAFTER_MAX_NODES", default.max_nodes)),
-                       min_prob=_env_float(env, "DRAFTER_CHAIN_MIN_PROB", default.min_prob),
+                       min_prob=(_env_float(env, "DRAFTER_CHAIN_MIN_PROB", 0.0)
+                                 if env.get("DRAFTER_CHAIN_MIN_PROB", "").strip() else default.min_prob),
                        stats_file=env.get("DRAFTER_PROPOSER_STATS", ""),
                        cost_aware=_env_float(env, "DRAFTER_COST_AWARE", 1.0) != 0.0,
                        security=ClientSecurity.from_env(env))
-        if settings.timeout <= 0 or settings.max_nodes < 0 or not 0.0 <= settings.min_prob <= 1.0:
+        if settings.timeout <= 0 or settings.max_nodes < 0 or not 0.0 <= settings.chain_min_prob <= 1.0:
             raise ValueError(f"DRAFTER_TIMEOUT must be > 0, DRAFTER_MAX_NODES >= 0 and DRAFTER_CHAIN_MIN_PROB in "
-                             f"[0, 1]; got {settings.timeout}, {settings.max_nodes}, {settings.min_prob}")
+                             f"[0, 1]; got {settings.timeout}, {settings.max_nodes}, {settings.chain_min_prob}")
         return settings
+
+    @property
+    def chain_min_prob(self) -> float:
+        """The minimum estimate of a chain token: ``min_prob`` when set; else none with ``cost_aware`` (the
+        step-cost rule alone decides what is worth verifying) and 0.05 without it."""
+        if self.min_prob is not None:
+            return self.min_prob
+        return 0.0 if self.cost_aware else FIXED_MIN_PROB
 
     def tree_nodes(self, k: int) -> int:
         """Nodes of the tree asked for per request when the engine verifies chains of at most ``k`` tokens."""
@@ -347,7 +360,7 @@ class DrafterProposer:
                          self.vocab_size)
             client.close()
             return
-        self._tracker = RequestTracker(client, self.k, self.max_model_len, 0, s.min_prob, self._limits,
+        self._tracker = RequestTracker(client, self.k, self.max_model_len, 0, s.chain_min_prob, self._limits,
                                        VerifyBudget() if s.cost_aware else None)
         logger.info("drafter: proposing up to %d tokens per request from %s (namespace %r)", self.k, s.address,
                     s.namespace)

@@ -101,7 +101,7 @@ class CoreDrafter:
     def propose_chain(self, request_id: str, k: int) -> DraftTree:
         """The chain the vLLM proposer (``engine_client.vllm``, default settings) takes from drafter's tree."""
         tree = self.core.propose(request_id, PROPOSER.tree_nodes(k))
-        return path_tree(tree, best_chain(tree, k, PROPOSER.min_prob))
+        return path_tree(tree, best_chain(tree, k, PROPOSER.chain_min_prob))
 
     def end(self, request_id: str) -> None:
         self.core.end(request_id)

@@ -17,7 +17,7 @@ from drafter_service.core.config import DrafterConfig
 from drafter_service.rpc.server import create_server
 from drafter_service.service.config import ServiceConfig
 from engine_client import DrafterClient
-from engine_client.vllm import DrafterProposer, ProposerSettings
+from engine_client.vllm import FIXED_MIN_PROB, DrafterProposer, ProposerSettings
 
 VOCAB = 300
 MAX_LEN = 256
@@ -129,6 +129,14 @@ def test_settings_come_from_the_environment():
         ProposerSettings.from_env({"DRAFTER_TIMEOUT": "soon"})
     with pytest.raises(ValueError, match="DRAFTER_CHAIN_MIN_PROB"):
         ProposerSettings.from_env({"DRAFTER_CHAIN_MIN_PROB": "2"})
+
+
+def test_chains_are_cut_by_a_fixed_estimate_only_without_the_cost_rule():
+    assert ProposerSettings().chain_min_prob == 0.0  # the step-cost rule alone decides what to verify
+    assert ProposerSettings(cost_aware=False).chain_min_prob == FIXED_MIN_PROB == 0.05
+    assert ProposerSettings.from_env({"DRAFTER_COST_AWARE": "0"}).chain_min_prob == 0.05
+    assert ProposerSettings.from_env({"DRAFTER_CHAIN_MIN_PROB": "0.1"}).chain_min_prob == 0.1
+    assert ProposerSettings.from_env({"DRAFTER_COST_AWARE": "0", "DRAFTER_CHAIN_MIN_PROB": "0"}).chain_min_prob == 0.0
 
 
 def test_requests_are_followed_across_moving_rows_and_stored_when_finished(service):
