@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from drafter_service.api.tree import best_chain_nodes
 from engine_client.client import DrafterClient
@@ -28,8 +28,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DrafterProposer", "ProposerSettings", "RequestTracker"]
 
+_D = TypeVar("_D")
 
-def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
+
+def _env_float(env: Mapping[str, str], name: str, default: _D) -> float | _D:
+    """``name`` from ``env`` as a number; ``default`` when unset or blank."""
     raw = env.get(name, "").strip()
     try:
         return float(raw) if raw else default
@@ -86,8 +89,7 @@ class ProposerSettings:
                        namespace=env.get("DRAFTER_NAMESPACE", default.namespace),
                        timeout=_env_float(env, "DRAFTER_TIMEOUT", default.timeout),
                        max_nodes=int(_env_float(env, "DRAFTER_MAX_NODES", default.max_nodes)),
-                       min_prob=(_env_float(env, "DRAFTER_CHAIN_MIN_PROB", 0.0)
-                                 if env.get("DRAFTER_CHAIN_MIN_PROB", "").strip() else default.min_prob),
+                       min_prob=_env_float(env, "DRAFTER_CHAIN_MIN_PROB", default.min_prob),
                        stats_file=env.get("DRAFTER_PROPOSER_STATS", ""),
                        cost_aware=_env_float(env, "DRAFTER_COST_AWARE", 1.0) != 0.0,
                        security=ClientSecurity.from_env(env))
@@ -99,7 +101,7 @@ class ProposerSettings:
     @property
     def chain_min_prob(self) -> float:
         """The minimum estimate of a chain token: ``min_prob`` when set; else none with ``cost_aware`` (the
-        step-cost rule alone decides what is worth verifying) and 0.05 without it."""
+        step-cost rule alone decides what is worth verifying) and ``FIXED_MIN_PROB`` without it."""
         if self.min_prob is not None:
             return self.min_prob
         return 0.0 if self.cost_aware else FIXED_MIN_PROB
