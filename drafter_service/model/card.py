@@ -196,6 +196,9 @@ class DraftModelDrafts:
     def set_frequencies(self, tokens: Any) -> None:
         """Choose the draft vocabulary (``settings.vocab`` most frequent tokens) for sessions opened from now on.
 
+        The whole vocabulary stays until the frequencies name at least that many tokens (a checkpoint without
+        token counts, in a store that has seen few requests).
+
         Args:
             tokens: (n,) recent tokens of the namespace's store, or None; their frequencies are averaged with
                 the model's own ``base_counts``.
@@ -213,7 +216,7 @@ class DraftModelDrafts:
                 tokens[(tokens >= 0) & (tokens < vocab)], minlength=vocab)):
             if counts is not None and counts.sum() > 0:
                 freq[:vocab] += counts[:vocab] / counts.sum()
-        if not freq.any():
+        if np.count_nonzero(freq) < size:  # too few tokens seen to choose from: keep the whole vocabulary
             return
         ids = np.sort(np.argsort(-freq, kind="stable")[:size])
         index = torch.as_tensor(ids, dtype=torch.long, device=weight.device)

@@ -76,6 +76,19 @@ def test_vocabulary_follows_the_frequencies(model):
         drafts.close(session)
 
 
+def test_vocabulary_stays_whole_until_enough_tokens_were_seen(model):
+    trees = []
+    for vocab in (0, 5):
+        drafts = DraftModelDrafts(model, CardSettings(width=6, top_k=2, layers_ahead=2, vocab=vocab))
+        drafts.set_frequencies(np.array([11, 11, 12, 13] * 10))  # 3 distinct tokens: too few to choose 5 from
+        session = settled(drafts.open(PROMPT))
+        try:
+            trees.append(session.query(50))
+        finally:
+            drafts.close(session)
+    assert len(trees[0]) and trees[1] == trees[0]  # the same drafts as over the whole vocabulary
+
+
 def test_closing_stops_the_worker_promptly(model):
     drafts = DraftModelDrafts(model, CardSettings(width=4, top_k=2, layers_ahead=500, max_nodes=100_000))
     session = drafts.open(PROMPT)
