@@ -29,6 +29,7 @@ from drafter_service.bench.vllm_bench import add_vllm_bench
 from drafter_service.bench.warm_bench import add_warm_bench
 from drafter_service.core.config import DrafterConfig
 from drafter_service.datasets.loaders import DATASET_NAMES, Request, load_dataset, read_requests
+from drafter_service.datasets.target_model import smollm2_checkpoint
 from store.corpus_counts import build_frozen_table
 from store.ngram_table import FrozenNGramTable
 
@@ -38,6 +39,10 @@ PEERS = ("prompt-lookup", "arctic", "arctic-f4", "pia", "ngram-mod")
 
 #: drafter with a draft model, by name: (model-free sources on, CARD's correction on).
 CARD_VARIANTS = {"drafter+card": (True, True), "drafter+card-nocorr": (True, False), "card-only": (False, True)}
+
+#: ``--draft-model`` value naming SmolLM2-135M-Instruct itself (converted on first use): a draft for the answers of
+#: larger models (MT-Bench's vicuna-7b, ShareGPT's ChatGPT); on the ``smollm2-*`` sets it would be the target.
+SMOLLM2_DRAFT = "smollm2-135m"
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
@@ -72,8 +77,9 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("--warm-skip", type=int, default=0, help="warm requests skipped first")
     rp.add_argument("--warm-limit", type=int, default=10000, help="warm requests used")
     rp.add_argument("--frozen-limit", type=int, default=10000, help="corpus requests used")
-    rp.add_argument("--draft-model", help="also run drafter with this draft model (CARD cache: with correction, "
-                    "without it, and without model-free sources; --card-variants picks among them)")
+    rp.add_argument("--draft-model", help="also run drafter with this draft model, a folder or "
+                    f"{SMOLLM2_DRAFT} for SmolLM2-135M-Instruct itself (CARD cache: with correction, without it, and "
+                    "without model-free sources; --card-variants picks among them)")
     rp.add_argument("--card-variants", default=",".join(CARD_VARIANTS),
                     help="with --draft-model, which of its drafters run (comma-separated subset of "
                     f"{', '.join(CARD_VARIANTS)})")
@@ -214,7 +220,8 @@ def _card_drafters(args: argparse.Namespace, reqs: Sequence[Request]) -> list[Re
 
     torch.set_num_threads(args.draft_threads)
     vocab = max(int(max(r.prompt.max(initial=0), r.output.max(initial=0))) for r in reqs) + 1
-    model = load_draft_model(args.draft_model)
+    folder = str(smollm2_checkpoint()) if args.draft_model == SMOLLM2_DRAFT else args.draft_model
+    model = load_draft_model(folder)
     if vocab > model.config.vocab_size:
         raise SystemExit(f"the requests hold token id {vocab - 1}, beyond the draft model's vocabulary")
     out: list[ReplayDrafter] = []
@@ -223,7 +230,7 @@ def _card_drafters(args: argparse.Namespace, reqs: Sequence[Request]) -> list[Re
         settings = CardSettings(width=args.card_width, top_k=args.card_top_k, layers_ahead=args.card_layers,
                                 correction=correction, max_sessions=1, vocab=args.card_vocab)
         sources = {f"use_{s}": model_free for s in ("session", "store", "dynamic", "frozen")}
-        drafts = DraftModelDrafts(model, settings, _token_counts(args.draft_model))
+        drafts = DraftModelDrafts(model, settings, _token_counts(folder))
         out.append(CoreDrafter(DrafterConfig(**sources), name, drafts))
     return out
 
