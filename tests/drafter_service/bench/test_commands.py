@@ -68,3 +68,26 @@ def test_the_hindsight_choice_is_compared_with_the_best_peer_but_is_none() -> No
     row = _row(table, "chain 4", "hindsight(drafter,peer)")
     assert row[4] == f"{2.6 / 1.8:.2f}×"
     assert row[8] == row[9] == ""  # it knows the answer: no draft cost to report
+
+
+def test_replay_drafts_with_smollm2_itself_by_name(tmp_path, capsys) -> None:
+    """``--draft-model smollm2-135m`` is SmolLM2-135M-Instruct: on its own greedy answer its drafts are accepted."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from drafter_service.cli.main import main
+    from drafter_service.datasets.request_files import Request, write_requests
+    from drafter_service.datasets.target_model import chat_prompt, load_smollm2
+    from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
+    from engine_client.engine import greedy_reference
+
+    torch.set_num_threads(2)
+    prompt = load_smollm2_tokenizer().encode(chat_prompt("Name three primary colours.")).ids
+    answer = greedy_reference(load_smollm2(torch.float32, "cpu"), prompt, 24)
+    write_requests(tmp_path / "answer.jsonl", [Request("r0", np.array(prompt), np.array(answer))])
+    assert main(["bench", "replay", str(tmp_path / "answer.jsonl"), "--chain", "4", "--draft-model", "smollm2-135m",
+                 "--card-variants", "card-only", "--card-vocab", "0", "--card-layers", "4", "--peers",
+                 "prompt-lookup", "--no-oracle", "--draft-threads", "2"]) == 0
+    table = capsys.readouterr().out
+    card, lookup = (_row(table, "chain 4", name) for name in ("card-only", "prompt-lookup"))
+    assert float(card[3]) > 2.0 > float(lookup[3])  # MAT: most of its chains are accepted
