@@ -144,8 +144,11 @@ def chain(tokens: Sequence[int], probs: Sequence[float] | None = None, source: s
 def merge_trees(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
     """The union of two trees over the same root, cut to the ``budget`` most likely nodes.
 
-    A path proposed by both becomes one node whose estimate is the larger of the two (and whose source is that
-    tree's). Nodes come best first, so every ``prefix`` of the result is the best tree of its size.
+    Each tree's estimates are read as conditional ones (a node's estimate over its parent's): a path proposed by
+    both keeps the larger conditional at every node, and every node's estimate is its parent's merged estimate
+    times its conditional. So a continuation one tree proposes below a node the other rates higher is rated as
+    likely as that node makes it (its source stays its own tree's). Nodes come best first, so every ``prefix`` of
+    the result is the best tree of its size.
 
     Args:
         first, second: trees rooted at the same sequence end.
@@ -157,7 +160,7 @@ def merge_trees(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
         return second.prefix(budget)
     toks: list[int] = []
     parents: list[int] = []
-    probs: list[float] = []
+    conds: list[float] = []  # the larger conditional estimate of the node over its parent
     depth: list[int] = []
     srcs: list[str] = []
     index: dict[tuple[int, int], int] = {}
@@ -165,6 +168,7 @@ def merge_trees(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
         local: list[int] = []  # this tree's node -> merged node
         for i, (tok, p) in enumerate(zip(tree.token_ids, tree.parents, strict=True)):
             parent = local[p] if p >= 0 else -1
+            cond = min(1.0, tree.probs[i] / tree.probs[p]) if p >= 0 else tree.probs[i]
             key = (parent, tok)
             j = index.get(key)
             src = tree.sources[i] if tree.sources else ""
@@ -172,13 +176,16 @@ def merge_trees(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
                 j = index[key] = len(toks)
                 toks.append(tok)
                 parents.append(parent)
-                probs.append(tree.probs[i])
+                conds.append(cond)
                 depth.append(depth[parent] + 1 if parent >= 0 else 1)
                 srcs.append(src)
-            elif tree.probs[i] > probs[j]:
-                probs[j] = tree.probs[i]
+            elif cond > conds[j]:
+                conds[j] = cond
                 srcs[j] = src
             local.append(j)
+    probs: list[float] = []  # parents come before their children
+    for j, parent in enumerate(parents):
+        probs.append(conds[j] * probs[parent] if parent >= 0 else conds[j])
     order = sorted(range(len(toks)), key=lambda j: (-probs[j], depth[j]))[:budget]
     new = {-1: -1}
     out_t: list[int] = []

@@ -2,7 +2,7 @@
 
 import pytest
 
-from drafter_service.api.tree import DraftTree, accept_greedy, chain, merge_trees
+from drafter_service.api.tree import DraftTree, accept_greedy, best_chain, chain, merge_trees
 
 # root -> 5 -> 6 -> 7 ; root -> 8 -> 9 ; 5 -> 4
 TREE = DraftTree((5, 8, 6, 9, 7, 4), (-1, -1, 0, 1, 2, 0), (0.9, 0.5, 0.8, 0.4, 0.7, 0.1), 3.4)
@@ -67,14 +67,29 @@ def test_prefix_keeps_the_first_nodes_as_a_tree():
     assert TREE.prefix(10) is TREE and len(TREE.prefix(0)) == 0
 
 
-def test_merge_unites_paths_and_keeps_the_larger_estimate():
+def test_merge_unites_paths_and_keeps_the_larger_conditional_estimate():
     a = DraftTree((5, 6, 7), (-1, 0, -1), (0.8, 0.5, 0.1), 1.4, ("store",) * 3)
     b = DraftTree((5, 9, 6), (-1, 0, 0), (0.9, 0.6, 0.2), 1.7, ("model",) * 3)
     merged = merge_trees(a, b, 10)
     merged.check_invariants(max_nodes=10)
     paths = {tuple(merged.path(i)): (merged.probs[i], merged.sources[i]) for i in range(len(merged))}
-    assert paths == {(5,): (0.9, "model"), (5, 6): (0.5, "store"), (5, 9): (0.6, "model"), (7,): (0.1, "store")}
+    # (5,) is "model"'s 0.9; under it, "store"'s 6 keeps its conditional 0.5 / 0.8 (larger than "model"'s 0.2 / 0.9)
+    assert paths == {(5,): (0.9, "model"), (5, 6): (pytest.approx(0.9 * 0.5 / 0.8), "store"),
+                     (5, 9): (pytest.approx(0.6), "model"), (7,): (0.1, "store")}
     assert list(merged.probs) == sorted(merged.probs, reverse=True)  # best first: every prefix is the best tree
+
+
+def test_merge_rates_a_continuation_by_the_merged_estimate_of_its_parent():
+    # The model-free tree is sure of 1 but knows nothing below it; the model doubts 1 but is sure of what follows.
+    store = chain([1], [0.9], "store")
+    model = chain([1, 2, 3], [0.3, 0.27, 0.243], "model")
+    merged = merge_trees(store, model, 10)
+    merged.check_invariants(max_nodes=10)
+    assert [tuple(merged.path(i)) for i in range(3)] == [(1,), (1, 2), (1, 2, 3)]
+    assert merged.probs == pytest.approx((0.9, 0.81, 0.729))  # 0.9, then the model's conditionals of 0.9 each
+    assert merged.sources == ("store", "model", "model")
+    # Worth verifying at a minimum of 0.5, which the model's own path estimates (0.27, 0.243) are not.
+    assert best_chain(merged, 3, min_prob=0.5) == [1, 2, 3]
 
 
 def test_merge_cuts_to_the_budget_best_first():
