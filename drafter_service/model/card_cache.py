@@ -362,27 +362,26 @@ class CandidateCache:
     def query(self, budget: int) -> list[CachedNode]:
         """The ``budget`` most likely nodes below the root, each after its parent.
 
-        Nodes whose children are not chosen yet are left out, except right below the root: when the target
-        accepts such a node, its own next token cannot be in the cache, and the cache would start over. Picking
-        by path probability keeps the result a tree: a node is never more likely than its parent.
+        The newest layer is served too, though its children are not chosen yet: when the target accepts one of
+        its nodes, the cache restarts from the verified tokens (a prefill of two), but the draft was a token
+        longer. Picking by path probability keeps the result a tree: a node is never more likely than its parent.
         """
         if budget <= 0:
             return []
         with self._lock:
-            return self._select(budget, settled=True)
+            return self._select(budget)
 
     def tree(self) -> list[CachedNode]:
         """Every live node below the root (all layers), each after its parent."""
         with self._lock:
-            return self._select(len(self._tok), settled=False)
+            return self._select(len(self._tok))
 
-    def _select(self, budget: int, settled: bool) -> list[CachedNode]:
+    def _select(self, budget: int) -> list[CachedNode]:
         root = self._query_root
         if self._lost:
             return []
         base = self._cum[root]
-        below = [n for n in self._subtree(root)
-                 if n != root and (not settled or self._done[n] or self._par[n] == root)]
+        below = [n for n in self._subtree(root) if n != root]
         below.sort(key=lambda n: (-self._cum[n], self._pos[n]))
         chosen = below[:budget]
         chosen.sort(key=lambda n: (self._pos[n], -self._cum[n]))

@@ -85,12 +85,12 @@ def test_a_vocabulary_subset_drafts_only_its_tokens(model):
     assert_same(got, brute_force(model, CONTEXT, 5, 3, 3, subset))
 
 
-def test_query_budget_takes_the_most_likely_settled_nodes_as_a_tree(model):
+def test_query_budget_takes_the_most_likely_nodes_of_every_layer_as_a_tree(model):
     cache = CandidateCache(model, CONTEXT, width=6, top_k=3, layers_ahead=4)
     grow(cache, 4)
-    # the newest layer's children are unknown yet: it is served only right below the root
-    settled = {s: p for s, p in paths(cache).items() if len(s) < 4}
-    best = sorted(settled.values(), reverse=True)[:7]
+    every = paths(cache)  # the newest layer (children not chosen yet) included
+    assert max(map(len, every)) == 4
+    best = sorted(every.values(), reverse=True)[:7]
     nodes = cache.query(7)
     assert sorted((n.path_prob for n in nodes), reverse=True) == pytest.approx(best)
     for i, n in enumerate(nodes):
