@@ -45,10 +45,24 @@ class ProbabilityCalibration:
     def _bucket(self, prob: float) -> int:
         return min(self.BUCKETS - 1, int(prob * self.BUCKETS))
 
+    def _bucket_rate(self, b: int) -> float:
+        return self._accepted[b] / self._trials[b]
+
     def rate(self, prob: float) -> float:
-        """Estimated P(accepted | parent accepted) for a node the model gives ``prob``."""
-        b = self._bucket(prob)
-        return max(1e-4, min(1.0, self._accepted[b] / self._trials[b]))
+        """Estimated P(accepted | parent accepted) for a node the model gives ``prob``.
+
+        Interpolated between the rates at the buckets' midpoints (from 0 at probability 0), so two tokens of one
+        bucket keep the model's order: a step function would tie them, and the depth below would decide.
+        """
+        x = prob * self.BUCKETS - 0.5  # in bucket widths from the first midpoint
+        if x <= 0:
+            r = self._bucket_rate(0) * max(0.0, x + 0.5) * 2
+        elif x >= self.BUCKETS - 1:
+            r = self._bucket_rate(self.BUCKETS - 1)
+        else:
+            b = int(x)
+            r = (b + 1 - x) * self._bucket_rate(b) + (x - b) * self._bucket_rate(b + 1)
+        return max(1e-4, min(1.0, r))
 
     def record(self, outcomes: Sequence[tuple[float, bool]]) -> None:
         """Add (model probability, accepted?) outcomes of tested nodes."""

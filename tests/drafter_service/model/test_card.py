@@ -31,6 +31,14 @@ def test_calibration_follows_the_outcomes():
     assert cal.rate(0.05) == pytest.approx(0.05)  # other buckets untouched
 
 
+def test_calibration_keeps_the_order_of_probabilities_within_a_bucket():
+    cal = ProbabilityCalibration(prior=4.0)
+    cal.record([(0.15, True)] * 30 + [(0.15, False)] * 70 + [(0.25, True)] * 40 + [(0.25, False)] * 60)
+    assert cal.rate(0.15) == pytest.approx((4 * 0.15 + 30) / 104)  # a midpoint: its bucket's own rate
+    assert cal.rate(0.12) < cal.rate(0.15) < cal.rate(0.19) < cal.rate(0.25)
+    assert cal.rate(0.20) == pytest.approx((cal.rate(0.15) + cal.rate(0.25)) / 2)
+
+
 def test_a_step_through_the_cache_is_a_hit_and_a_step_beside_it_is_not(model):
     drafts = DraftModelDrafts(model, CardSettings(width=6, top_k=3, layers_ahead=3))
     session = settled(drafts.open(PROMPT))
