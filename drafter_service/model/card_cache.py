@@ -373,8 +373,7 @@ class CandidateCache:
 
     def tree(self) -> list[CachedNode]:
         """Every live node below the root (all layers), each after its parent."""
-        with self._lock:
-            return self._select(len(self._tok))
+        return self.query(len(self._tok))
 
     def _select(self, budget: int) -> list[CachedNode]:
         root = self._query_root
