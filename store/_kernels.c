@@ -259,28 +259,6 @@ static int64_t extend_core(const Ring *r, Vec *ends, const int64_t *ctx, int64_t
     return best;
 }
 
-/* Appends base + i for every i in [0, n) with a[i] == t, ascending, skipping positions below oldest. */
-static int find_all(const int32_t *a, Py_ssize_t n, int32_t t, int64_t base, int64_t oldest, Vec *out) {
-    Py_ssize_t i = 0;
-    if (base < oldest) { /* positions ascend with i: only a prefix lies below oldest */
-        int64_t skip = oldest - base;
-        if (skip >= n) return 0;
-        i = (Py_ssize_t)skip;
-    }
-    for (; i + 16 <= n; i += 16) {
-        unsigned mask = 0;
-        for (int k = 0; k < 16; k++) mask |= (unsigned)(a[i + k] == t) << k;
-        while (mask) {
-            int k = __builtin_ctz(mask);
-            mask &= mask - 1;
-            if (vec_push(out, base + i + k) < 0) return -1;
-        }
-    }
-    for (; i < n; i++)
-        if (a[i] == t && vec_push(out, base + i) < 0) return -1;
-    return 0;
-}
-
 /* ---- the suffix index handle ---------------------------------------------------------------------- */
 
 /* A suffix-array entry i ends at absolute position end - 1 - sa[i]. Once the ring buffer has overwritten
@@ -516,17 +494,51 @@ __attribute__((target("avx2,popcnt"))) static Py_ssize_t live_map_avx2(const int
 }
 #endif
 
+/* Bit j of the result: p[j] == t, for the 64 tokens p[0, 64). Variants per instruction set, as for live maps. */
+typedef uint64_t (*EqMaskFn)(const int32_t *p, int32_t t);
+
+static uint64_t eq_mask_scalar(const int32_t *p, int32_t t) {
+    uint64_t mask = 0;
+    for (int j = 0; j < 64; j++) mask |= (uint64_t)(p[j] == t) << j;
+    return mask;
+}
+
+#if defined(__SSE2__)
+static uint64_t eq_mask_sse2(const int32_t *p, int32_t t) {
+    const __m128i v = _mm_set1_epi32(t);
+    uint64_t mask = 0;
+    for (int q = 0; q < 16; q++) {
+        __m128i e = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)(p + 4 * q)), v);
+        mask |= (uint64_t)(unsigned)_mm_movemask_ps(_mm_castsi128_ps(e)) << (4 * q);
+    }
+    return mask;
+}
+#endif
+
+#if HAVE_X86_TARGETS
+__attribute__((target("avx2"))) static uint64_t eq_mask_avx2(const int32_t *p, int32_t t) {
+    const __m256i v = _mm256_set1_epi32(t);
+    uint64_t mask = 0;
+    for (int q = 0; q < 8; q++) {
+        __m256i e = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(p + 8 * q)), v);
+        mask |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(e)) << (8 * q);
+    }
+    return mask;
+}
+#endif
+
 static const struct {
     const char *name;
     LiveMapFn fn;
+    EqMaskFn eq;
 } live_maps[] = {
 #if HAVE_X86_TARGETS
-    {"avx2", live_map_avx2},
+    {"avx2", live_map_avx2, eq_mask_avx2},
 #endif
 #if defined(__SSE2__)
-    {"sse2", live_map_sse2},
+    {"sse2", live_map_sse2, eq_mask_sse2},
 #endif
-    {"scalar", live_map_scalar},
+    {"scalar", live_map_scalar, eq_mask_scalar},
 };
 
 static int live_map_choice; /* index into live_maps, set when the module loads */
@@ -535,6 +547,8 @@ static inline Py_ssize_t live_map(const int32_t *s, Py_ssize_t len, int32_t thr,
     return live_maps[live_map_choice].fn(s, len, thr, live, cnt);
 }
 
+static inline uint64_t eq_mask(const int32_t *p, int32_t t) { return live_maps[live_map_choice].eq(p, t); }
+
 static int live_map_supported(int i) {
 #if HAVE_X86_TARGETS
     if (live_maps[i].fn == live_map_avx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
@@ -542,6 +556,29 @@ static int live_map_supported(int i) {
     (void)i;
     return 1;
 }
+
+/* Appends base + i for every i in [0, n) with a[i] == t, ascending, skipping positions below oldest.
+ * Blocks of 64 tokens are compared by the chosen instruction set (eq_mask, see ``simd``). */
+static int find_all(const int32_t *a, Py_ssize_t n, int32_t t, int64_t base, int64_t oldest, Vec *out) {
+    Py_ssize_t i = 0;
+    if (base < oldest) { /* positions ascend with i: only a prefix lies below oldest */
+        int64_t skip = oldest - base;
+        if (skip >= n) return 0;
+        i = (Py_ssize_t)skip;
+    }
+    for (; i + 64 <= n; i += 64) {
+        uint64_t mask = eq_mask(a + i, t);
+        while (mask) {
+            int k = __builtin_ctzll(mask);
+            mask &= mask - 1;
+            if (vec_push(out, base + i + k) < 0) return -1;
+        }
+    }
+    for (; i < n; i++)
+        if (a[i] == t && vec_push(out, base + i) < 0) return -1;
+    return 0;
+}
+
 
 /* A search result of one source: match length, counts, and the occurrences of the longest match in the
  * reference's order: a list (ends), or lazily the suffix-array range [lo, hi), restricted to its entries
@@ -1261,9 +1298,9 @@ done:
 
 PyDoc_STRVAR(simd_doc,
 "simd(name=None) -> str\n\n"
-"The instruction set that filters overwritten suffix-array entries (\"avx2\", \"sse2\" or \"scalar\"; the\n"
-"fastest this CPU runs is chosen on import); with a name, switch to it first (ValueError when this CPU or\n"
-"build lacks it). Every choice gives the same results.");
+"The instruction set that filters overwritten suffix-array entries and scans unindexed tokens\n"
+"(\"avx2\", \"sse2\" or \"scalar\"; the fastest this CPU runs is chosen on import); with a name, switch to\n"
+"it first (ValueError when this CPU or build lacks it). Every choice gives the same results.");
 
 static PyObject *py_simd(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs > 1) {
