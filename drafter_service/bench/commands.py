@@ -20,6 +20,7 @@ from drafter_service.bench.ngram_mod import NGramModDrafter
 from drafter_service.bench.oracle import RetrievalOracle, SeenPrefixes
 from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
 from drafter_service.bench.pia_trie import PiaLookaheadDrafter
+from drafter_service.bench.proposer_bench import add_proposer_bench
 from drafter_service.bench.protocol import ReplayDrafter
 from drafter_service.bench.replay import CoreDrafter, Mode, ReplayResult, replay, replay_hindsight
 from drafter_service.bench.replicas_bench import add_replicas_bench
@@ -97,6 +98,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     st.set_defaults(func=run_store)
     add_serve_bench(bench)
     add_batch_bench(bench)
+    add_proposer_bench(bench)
     add_warm_bench(bench)
     add_e2e_bench(bench)
     add_vllm_bench(bench)
