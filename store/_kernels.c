@@ -3,7 +3,8 @@
  * The reference lives in store/match_kernels.py (scan_matches, extend_matches, continuations),
  * store/suffix_index.py (SuffixIndex.match), store/token_store.py (TokenStore.lookup) and
  * drafter_service/core/session.py (DraftSession.lookup). Arrays arrive through the buffer protocol; result
- * arrays are created with numpy.empty and filled in place. Every entry point returns NotImplemented for
+ * arrays are created with numpy.empty. The store and session lookups are also offered to other extensions
+ * over raw arrays (the capsule ``_C_API``, see KernelsCAPI). Every entry point returns NotImplemented for
  * arguments it does not handle (unusual dtypes, negative or out-of-range token ids in a context,
  * budgets below one, ...), and the caller then runs the numpy reference, so both paths always agree.
  * The GIL is held throughout: calls take microseconds.
@@ -1126,21 +1127,181 @@ static int64_t pick_recent(const Seg *const *segs, int nsegs, Py_ssize_t total, 
     return n;
 }
 
-/* Shared tail of the store and session lookups: (m, counts, rows) from the chosen occurrences. */
-static PyObject *lookup_result(int64_t m, const int64_t *counts, const Ring *r, int64_t *ends, Py_ssize_t k,
-                               int64_t depth, int64_t stop) {
+/* ---- whole lookups, for Python and for other extensions -------------------------------------------- */
+
+/* A lookup's answer: what followed the longest match (see TokenStore.lookup). Its arrays live in the
+ * Lookup that produced it, until that Lookup's next call. */
+typedef struct {
+    int64_t m;              /* tokens matched (0: nothing found; nothing else is set then) */
+    const int64_t *counts;  /* (m,) occurrences of the last 1, 2, ..., m context tokens */
+    Py_ssize_t k, depth;    /* rows: (k, depth) */
+    const int32_t *rows;    /* the tokens after each chosen occurrence, most recent first, -1 padded */
+} LookupResult;
+
+/* Working memory of lookups, kept between calls so that a run of lookups allocates nothing. */
+typedef struct {
+    Vec lens, picked, sample;
+    Seg segs[3];           /* tail, delta, main */
+    int64_t *mem;          /* context (reversed; then the summed counts), then counts per source */
+    Py_ssize_t memcap;
+    int32_t *rows;
+    Py_ssize_t rowscap;
+} Lookup;
+
+static void lookup_clear(Lookup *L) {
+    vec_free(&L->lens);
+    vec_free(&L->picked);
+    vec_free(&L->sample);
+    for (int i = 0; i < 3; i++) seg_free(&L->segs[i]);
+    PyMem_Free(L->mem);
+    PyMem_Free(L->rows);
+    memset(L, 0, sizeof(*L));
+}
+
+/* Room for ``n`` context or count entries in L->mem. */
+static int lookup_mem(Lookup *L, Py_ssize_t n) {
+    if (n <= L->memcap) return 0;
+    Py_ssize_t c = L->memcap ? L->memcap : 4 * STACK_TOKENS;
+    while (c < n) c *= 2;
+    int64_t *p = PyMem_Realloc(L->mem, (size_t)c * sizeof(int64_t));
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    L->mem = p;
+    L->memcap = c;
+    return 0;
+}
+
+/* A segment emptied for the next search, keeping its memory. */
+static void seg_reset(Seg *s, int64_t *counts) {
+    s->m = 0;
+    s->ncounts = 0;
+    s->lazy = 0;
+    s->mapped = 0;
+    s->ends.n = 0;
+    s->counts = counts;
+}
+
+/* Shared tail of the store and session lookups: rows of the chosen occurrences into L, the answer in *out. */
+static int lookup_rows(Lookup *L, int64_t m, const int64_t *counts, const Ring *r, int64_t *ends, Py_ssize_t k,
+                       int64_t depth, int64_t stop, LookupResult *out) {
     for (Py_ssize_t i = 0; i < k; i++) ends[i] += 1;
-    if (depth > 0) prefetch_rows(r, ends, k); /* the reads overlap with allocating the arrays */
-    PyObject *c = i64_array(counts, (Py_ssize_t)m);
+    if (depth > 0) prefetch_rows(r, ends, k);
+    Py_ssize_t need = k * (Py_ssize_t)depth;
+    if (need > L->rowscap) {
+        Py_ssize_t c = L->rowscap ? L->rowscap : 1024;
+        while (c < need) c *= 2;
+        int32_t *p = PyMem_Realloc(L->rows, (size_t)c * sizeof(int32_t));
+        if (p == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        L->rows = p;
+        L->rowscap = c;
+    }
+    fill_rows(r, ends, k, depth, stop, L->rows);
+    *out = (LookupResult){m, counts, k, (Py_ssize_t)depth, L->rows};
+    return 0;
+}
+
+/* TokenStore.lookup for a context already reversed into L->mem (clen >= 1 tokens, all in [0, INT32_MAX]).
+ * Returns 0 (out->m == 0: nothing matched), 1 for arguments it does not handle, -1 on error. */
+static int store_core(Lookup *L, Py_ssize_t clen, const Ring *r, int64_t oldest, int64_t stop, IndexObject *delta,
+                      IndexObject *main_ix, int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
+                      LookupResult *out) {
+    out->m = 0;
+    int64_t *cv = L->mem;
+    Seg *segs = L->segs;
+    for (int i = 0; i < 3; i++) seg_reset(&segs[i], cv + (i + 1) * clen); /* tail, delta, main */
+    int64_t idx_end = delta ? delta->end : (main_ix ? main_ix->end : 0);
+    if (scan_core(r, idx_end > oldest ? idx_end : oldest, stop, cv, clen, clen, oldest, &segs[0], &L->lens) < 0)
+        return -1;
+    if (delta && index_core(delta, cv, clen, clen, r, oldest, max_cand, &segs[1], &L->lens) < 0) return -1;
+    if (main_ix && index_core(main_ix, cv, clen, clen, r, oldest, max_cand, &segs[2], &L->lens) < 0) return -1;
+    int64_t m = 0;
+    for (int i = 0; i < 3; i++)
+        if (segs[i].m > m) m = segs[i].m;
+    if (m == 0) return 0;
+    /* counts[:fm] += fc in the reference: shapes must agree or broadcast */
+    for (int i = 0; i < 3; i++)
+        if (segs[i].ncounts != segs[i].m && segs[i].ncounts != 1) return 1;
+    int64_t *sum = cv; /* the context is no longer needed */
+    memset(sum, 0, (size_t)m * sizeof(int64_t));
+    const Seg *longest[3];
+    int nl = 0;
+    Py_ssize_t n_ends = 0;
+    for (int i = 0; i < 3; i++) {
+        if (segs[i].ncounts == segs[i].m)
+            for (int64_t j = 0; j < segs[i].m; j++) sum[j] += segs[i].counts[j];
+        if (segs[i].m == m) {
+            if (seg_ready(&segs[i]) < 0) return -1;
+            longest[nl++] = &segs[i];
+            n_ends += seg_len(&segs[i]);
+        }
+    }
+    int64_t keep = max_occ < max_exam ? max_occ : max_exam;
+    if (keep > n_ends) keep = n_ends;
+    if (vec_reserve(&L->picked, keep ? keep : 1) < 0) return -1;
+    int64_t k = pick_recent(longest, nl, n_ends, max_exam, max_occ, L->picked.v, &L->sample);
+    if (k < 0) return -1;
+    return lookup_rows(L, m, sum, r, L->picked.v, (Py_ssize_t)k, depth, stop, out);
+}
+
+/* DraftSession.lookup over tokens[:n] (n <= cap; n >= 2, max_match, max_occ >= 1, depth >= 0). Returns 0
+ * (out->m == 0: nothing matched) or -1 on error. */
+static int session_core(Lookup *L, const int32_t *t, Py_ssize_t cap, int64_t n, int64_t max_match, int64_t max_occ,
+                        int64_t depth, LookupResult *out) {
+    out->m = 0;
+    Py_ssize_t clen = (Py_ssize_t)(max_match < n ? max_match : n);
+    if (lookup_mem(L, 2 * clen) < 0) return -1;
+    int64_t *cv = L->mem;
+    for (Py_ssize_t j = 0; j < clen; j++) cv[j] = t[n - 1 - j];
+    Seg *s = &L->segs[0];
+    seg_reset(s, cv + clen);
+    Ring r = {t, cap, 0};
+    if (scan_core(&r, 0, n - 1, cv, clen, clen, 0, s, &L->lens) < 0) return -1;
+    if (s->m == 0) return 0;
+    /* the most recent max_occurrences, newest first */
+    Py_ssize_t c = s->ends.n, k = c > max_occ ? (Py_ssize_t)max_occ : c;
+    int64_t *e = s->ends.v + (c - k);
+    for (Py_ssize_t i = 0; i < k / 2; i++) {
+        int64_t x = e[i];
+        e[i] = e[k - 1 - i];
+        e[k - 1 - i] = x;
+    }
+    return lookup_rows(L, s->m, s->counts, &r, e, k, depth, n, out);
+}
+
+/* The Python entry points' working memory, reused between calls. Making the result arrays may run Python code
+ * (a collection's finalizers) and so let another thread in: a call that finds it in use takes its own. */
+static Lookup py_lookup;
+static int py_lookup_busy;
+
+static Lookup *lookup_acquire(Lookup *own) {
+    if (py_lookup_busy) return own;
+    py_lookup_busy = 1;
+    return &py_lookup;
+}
+
+static void lookup_release(Lookup *L) {
+    if (L == &py_lookup) py_lookup_busy = 0;
+    else lookup_clear(L);
+}
+
+/* (m, counts, rows) arrays of an answer; None when nothing matched. */
+static PyObject *lookup_tuple(const LookupResult *res) {
+    if (res->m == 0) Py_RETURN_NONE;
+    PyObject *c = i64_array(res->counts, (Py_ssize_t)res->m);
     if (c == NULL) return NULL;
     int32_t *rows;
-    PyObject *rw = new_array(dtype_i32, k, (Py_ssize_t)depth, 2, (void **)&rows);
+    PyObject *rw = new_array(dtype_i32, res->k, res->depth, 2, (void **)&rows);
     if (rw == NULL) {
         Py_DECREF(c);
         return NULL;
     }
-    fill_rows(r, ends, k, depth, stop, rows);
-    return Py_BuildValue("(LNN)", (long long)m, c, rw);
+    if (res->k > 0 && res->depth > 0) memcpy(rows, res->rows, (size_t)(res->k * res->depth) * sizeof(int32_t));
+    return Py_BuildValue("(LNN)", (long long)res->m, c, rw);
 }
 
 PyDoc_STRVAR(store_lookup_doc,
@@ -1161,10 +1322,7 @@ static PyObject *py_store_lookup(PyObject *mod, PyObject *const *args, Py_ssize_
     if (depth < 0) depth = 0;
     IntArg ring = {0}, ctx = {0};
     PyObject *res = NULL;
-    Vec lens = {0}, picked = {0}, sample = {0};
-    int64_t stack[4 * STACK_TOKENS], *mem = stack;
-    Seg segs[3];
-    for (int i = 0; i < 3; i++) seg_init(&segs[i], NULL);
+    Lookup own = {0}, *L = lookup_acquire(&own);
     if (!int_arg(args[0], &ctx) || !ring_arg(args[1], &ring)) {
         res = not_implemented();
         goto done;
@@ -1174,67 +1332,20 @@ static PyObject *py_store_lookup(PyObject *mod, PyObject *const *args, Py_ssize_
         res = Py_NewRef(Py_None);
         goto done;
     }
-    if (clen > STACK_TOKENS) {
-        mem = PyMem_Malloc((size_t)clen * 4 * sizeof(int64_t));
-        if (mem == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-    }
-    int64_t *cv = mem;
-    if (!copy_ints(&ctx, ctx.n - clen, clen, 1, 0, INT32_MAX, cv)) {
+    if (lookup_mem(L, 4 * clen) < 0) goto done;
+    if (!copy_ints(&ctx, ctx.n - clen, clen, 1, 0, INT32_MAX, L->mem)) {
         res = not_implemented();
         goto done;
     }
-    for (int i = 0; i < 3; i++) segs[i].counts = mem + (i + 1) * clen; /* tail, delta, main */
     Ring r = {(const int32_t *)ring.view.buf, ring.n, 0};
     ring_set_base(&r, oldest);
-    int64_t idx_end = delta ? delta->end : (main_ix ? main_ix->end : 0);
-    if (scan_core(&r, idx_end > oldest ? idx_end : oldest, stop, cv, clen, clen, oldest, &segs[0], &lens) < 0)
-        goto done;
-    if (delta && index_core(delta, cv, clen, clen, &r, oldest, max_cand, &segs[1], &lens) < 0) goto done;
-    if (main_ix && index_core(main_ix, cv, clen, clen, &r, oldest, max_cand, &segs[2], &lens) < 0) goto done;
-    int64_t m = 0;
-    for (int i = 0; i < 3; i++)
-        if (segs[i].m > m) m = segs[i].m;
-    if (m == 0) {
-        res = Py_NewRef(Py_None);
-        goto done;
-    }
-    /* counts[:fm] += fc in the reference: shapes must agree or broadcast */
-    for (int i = 0; i < 3; i++)
-        if (segs[i].ncounts != segs[i].m && segs[i].ncounts != 1) {
-            res = not_implemented();
-            goto done;
-        }
-    int64_t *sum = cv; /* the context is no longer needed */
-    memset(sum, 0, (size_t)m * sizeof(int64_t));
-    const Seg *longest[3];
-    int nl = 0;
-    Py_ssize_t n_ends = 0;
-    for (int i = 0; i < 3; i++) {
-        if (segs[i].ncounts == segs[i].m)
-            for (int64_t j = 0; j < segs[i].m; j++) sum[j] += segs[i].counts[j];
-        if (segs[i].m == m) {
-            if (seg_ready(&segs[i]) < 0) goto done;
-            longest[nl++] = &segs[i];
-            n_ends += seg_len(&segs[i]);
-        }
-    }
-    int64_t keep = max_occ < max_exam ? max_occ : max_exam;
-    if (keep > n_ends) keep = n_ends;
-    if (vec_reserve(&picked, keep ? keep : 1) < 0) goto done;
-    int64_t k = pick_recent(longest, nl, n_ends, max_exam, max_occ, picked.v, &sample);
-    if (k < 0) goto done;
-    res = lookup_result(m, sum, &r, picked.v, (Py_ssize_t)k, depth, stop);
+    LookupResult found;
+    int rc = store_core(L, clen, &r, oldest, stop, delta, main_ix, max_occ, depth, max_cand, max_exam, &found);
+    if (rc >= 0) res = rc ? not_implemented() : lookup_tuple(&found);
 done:
     int_release(&ring);
     int_release(&ctx);
-    vec_free(&lens);
-    vec_free(&picked);
-    vec_free(&sample);
-    for (int i = 0; i < 3; i++) seg_free(&segs[i]);
-    if (mem != stack) PyMem_Free(mem);
+    lookup_release(L);
     return res;
 }
 
@@ -1253,48 +1364,82 @@ static PyObject *py_session_lookup(PyObject *mod, PyObject *const *args, Py_ssiz
     if (depth < 0) depth = 0;
     IntArg tok = {0};
     PyObject *res = NULL;
-    Vec lens = {0};
-    int64_t stack[2 * STACK_TOKENS], *mem = stack;
-    Seg s;
-    seg_init(&s, NULL);
+    Lookup own = {0}, *L = lookup_acquire(&own);
     if (!ring_arg(args[0], &tok) || n > tok.n) {
         res = not_implemented();
         goto done;
     }
-    Py_ssize_t clen = (Py_ssize_t)(max_match < n ? max_match : n);
-    if (clen > STACK_TOKENS) {
-        mem = PyMem_Malloc((size_t)clen * 2 * sizeof(int64_t));
-        if (mem == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-    }
-    const int32_t *t = (const int32_t *)tok.view.buf;
-    int64_t *cv = mem;
-    for (Py_ssize_t j = 0; j < clen; j++) cv[j] = t[n - 1 - j];
-    s.counts = mem + clen;
-    Ring r = {t, tok.n, 0};
-    if (scan_core(&r, 0, n - 1, cv, clen, clen, 0, &s, &lens) < 0) goto done;
-    if (s.m == 0) {
-        res = Py_NewRef(Py_None);
-        goto done;
-    }
-    /* the most recent max_occurrences, newest first */
-    Py_ssize_t c = s.ends.n, k = c > max_occ ? (Py_ssize_t)max_occ : c;
-    int64_t *e = s.ends.v + (c - k);
-    for (Py_ssize_t i = 0; i < k / 2; i++) {
-        int64_t x = e[i];
-        e[i] = e[k - 1 - i];
-        e[k - 1 - i] = x;
-    }
-    res = lookup_result(s.m, s.counts, &r, e, k, depth, n);
+    LookupResult found;
+    if (session_core(L, (const int32_t *)tok.view.buf, tok.n, n, max_match, max_occ, depth, &found) == 0)
+        res = lookup_tuple(&found);
 done:
     int_release(&tok);
-    vec_free(&lens);
-    seg_free(&s);
-    if (mem != stack) PyMem_Free(mem);
+    lookup_release(L);
     return res;
 }
+
+/* C API for other extensions (the native batched step of drafter_service.core._tree): the store and session
+ * lookups over raw int32 arrays, answered into a Lookup's memory instead of new numpy arrays. Each returns 0
+ * (out->m == 0: nothing matched), 1 for arguments it does not handle (the caller then runs the Python
+ * lookup, as for NotImplemented) or -1 with an exception set. */
+typedef struct {
+    size_t size;  /* sizeof(KernelsCAPI): a caller built against another layout must not use it */
+    Lookup *(*lookup_new)(void);
+    void (*lookup_free)(Lookup *L);
+    /* TokenStore.lookup of context[:n] over ring[0, cap) (slots of absolute positions [oldest, stop)) and the
+     * delta and main Index handles (or None). */
+    int (*store_lookup)(Lookup *L, const int32_t *context, Py_ssize_t n, const int32_t *ring, Py_ssize_t cap,
+                        int64_t oldest, int64_t stop, PyObject *delta, PyObject *main_ix, int64_t max_match,
+                        int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam, LookupResult *out);
+    /* DraftSession.lookup over tokens[:n] (the session's buffer holds cap >= n tokens). */
+    int (*session_lookup)(Lookup *L, const int32_t *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
+                          int64_t max_occ, int64_t depth, LookupResult *out);
+} KernelsCAPI;
+
+static Lookup *capi_lookup_new(void) {
+    Lookup *L = PyMem_Calloc(1, sizeof(Lookup));
+    if (L == NULL) PyErr_NoMemory();
+    return L;
+}
+
+static void capi_lookup_free(Lookup *L) {
+    if (L == NULL) return;
+    lookup_clear(L);
+    PyMem_Free(L);
+}
+
+static int capi_store_lookup(Lookup *L, const int32_t *context, Py_ssize_t n, const int32_t *ring, Py_ssize_t cap,
+                             int64_t oldest, int64_t stop, PyObject *delta_o, PyObject *main_o, int64_t max_match,
+                             int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
+                             LookupResult *out) {
+    out->m = 0;
+    IndexObject *delta, *main_ix;
+    if (!index_arg(delta_o, &delta) || !index_arg(main_o, &main_ix) || cap < 1) return 1;
+    if (max_match < 1 || max_occ < 1 || max_cand < 1 || max_exam < 1 || depth > (int64_t)1 << 30) return 1;
+    if (depth < 0) depth = 0;
+    Py_ssize_t clen = n > max_match ? (Py_ssize_t)max_match : n;
+    if (clen <= 0) return 0;
+    if (lookup_mem(L, 4 * clen) < 0) return -1;
+    for (Py_ssize_t j = 0; j < clen; j++) {
+        int32_t v = context[n - 1 - j];
+        if (v < 0) return 1;
+        L->mem[j] = v;
+    }
+    Ring r = {ring, cap, 0};
+    ring_set_base(&r, oldest);
+    return store_core(L, clen, &r, oldest, stop, delta, main_ix, max_occ, depth, max_cand, max_exam, out);
+}
+
+static int capi_session_lookup(Lookup *L, const int32_t *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
+                               int64_t max_occ, int64_t depth, LookupResult *out) {
+    out->m = 0;
+    if (n < 2 || max_match < 1) return 0;
+    if (max_occ < 1 || depth > (int64_t)1 << 30 || n > cap) return 1;
+    return session_core(L, tokens, cap, n, max_match, max_occ, depth < 0 ? 0 : depth, out);
+}
+
+static KernelsCAPI kernels_capi = {sizeof(KernelsCAPI), capi_lookup_new, capi_lookup_free, capi_store_lookup,
+                                   capi_session_lookup};
 
 PyDoc_STRVAR(simd_doc,
 "simd(name=None) -> str\n\n"
@@ -1369,6 +1514,12 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     Py_INCREF(&IndexType);
     if (PyModule_AddObject(m, "Index", (PyObject *)&IndexType) < 0) {
         Py_DECREF(&IndexType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *capsule = PyCapsule_New(&kernels_capi, "store._kernels._C_API", NULL);
+    if (capsule == NULL || PyModule_AddObject(m, "_C_API", capsule) < 0) {
+        Py_XDECREF(capsule);
         Py_DECREF(m);
         return NULL;
     }
