@@ -23,19 +23,22 @@ from drafter_service.bench.vllm_process import Generation, VllmEngineProcess, vl
 from drafter_service.datasets.target_model import smollm2_checkpoint
 from engine_client import DrafterClient
 
-METHODS = ("none", "ngram", "suffix", "drafter", "drafter-fixed")
-DEFAULT_METHODS = ("none", "ngram", "suffix", "drafter")
+METHODS = ("none", "ngram", "suffix", "drafter", "drafter-sync", "drafter-fixed")
+DEFAULT_METHODS = ("none", "ngram", "suffix", "drafter", "drafter-sync")
 
-#: Proposer settings of each drafter method: ``drafter`` as shipped (chains cut by the engine's measured step
-#: costs), ``drafter-fixed`` with the fixed minimum estimate instead (DRAFTER_COST_AWARE=0).
-DRAFTER_ENV = {"drafter": {}, "drafter-fixed": {"DRAFTER_COST_AWARE": "0"}}
+#: Proposer settings of each drafter method: ``drafter`` as shipped (pre-speculation, chains cut by the engine's
+#: measured step costs), ``drafter-sync`` without pre-speculation (every step waits for its DraftBatch answer,
+#: DRAFTER_PRESPECULATE=0), ``drafter-fixed`` with the fixed minimum estimate instead of step costs
+#: (DRAFTER_COST_AWARE=0).
+DRAFTER_ENV = {"drafter": {}, "drafter-sync": {"DRAFTER_PRESPECULATE": "0"},
+               "drafter-fixed": {"DRAFTER_COST_AWARE": "0"}}
 
 
 def add_vllm_bench(bench: argparse._SubParsersAction) -> None:
     """Register ``bench vllm``."""
     p = bench.add_parser("vllm", help="acceptance and speed inside vLLM: no speculation, ngram, suffix and drafter "
-                         "(drafter-fixed: its chains cut by a fixed minimum estimate, not by step costs) on the same "
-                         "held-back prompts after the same warm-up")
+                         "(drafter-sync: without pre-speculation; drafter-fixed: its chains cut by a fixed minimum "
+                         "estimate, not by step costs) on the same held-back prompts after the same warm-up")
     p.add_argument("--dataset", action="append", choices=E2E_DATASETS, help="workload (repeatable; default all)")
     p.add_argument("--warm", type=int, default=24, help="earlier prompts of each workload generated first")
     p.add_argument("--requests", type=int, default=16, help="held-back prompts measured per workload (one batch)")
@@ -61,6 +64,8 @@ class MethodRun:
     identical: bool  # outputs equal vLLM's without speculation
     proposer_ms: float | None  # drafter's time inside propose per engine step
     outputs: list[list[int]] = field(default_factory=list, repr=False)
+    prespec_hit_rate: float | None = None  # drafter: rows drafted from the pre-speculated tree / rows with a context
+    sync_waits: int | None = None  # drafter: steps that waited for the service
 
     @property
     def tokens_per_step(self) -> float:
@@ -112,12 +117,15 @@ def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[
                 steps = after.get("steps", 0) - before.get("steps", 0)
                 proposer_ms = (1e3 * (after.get("seconds", 0.0) - before.get("seconds", 0.0)) / steps
                                if steps else None)
+                hits, misses, waits = (after.get(name, 0) - before.get(name, 0)
+                                       for name in ("prespec_hits", "prespec_misses", "sync_waits"))
                 run = MethodRun(method, dataset, _delta(measured, warmed, "vllm:generation_tokens"),
                                 _delta(measured, warmed, "vllm:spec_decode_num_drafts"),
                                 _delta(measured, warmed, "vllm:spec_decode_num_draft_tokens"),
                                 _delta(measured, warmed, "vllm:spec_decode_num_accepted_tokens"), measured.seconds,
                                 reference is None or measured.outputs == reference[dataset], proposer_ms,
-                                measured.outputs)
+                                measured.outputs, hits / (hits + misses) if hits + misses else None,
+                                int(waits) if service is not None else None)
                 runs.append(run)
                 _progress(f"{method} on {dataset}: {run.tokens_per_step:.2f} tokens/step, {run.tokens_per_s:.1f} "
                           f"tokens/s ({time.perf_counter() - t0:.0f} s with the warm-up)")
@@ -145,13 +153,16 @@ def format_runs(runs: list[MethodRun], args: argparse.Namespace) -> str:
         by = {r.method: r for r in rows}
         lines += [f"**{dataset}**", "",
                   "| method | drafts | draft tokens | accepted | tokens/step | vs suffix | vs ngram | tokens/s | "
-                  "proposer ms/step | same output |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "proposer ms/step | pre-spec hit rate | sync waits | same output |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             vs = [f"{r.tokens_per_step / by[m].tokens_per_step:.2f}x" if m in by else "-" for m in ("suffix", "ngram")]
             ms = f"{r.proposer_ms:.2f}" if r.proposer_ms is not None else "-"
+            hit = f"{r.prespec_hit_rate:.1%}" if r.prespec_hit_rate is not None else "-"
+            waits = str(r.sync_waits) if r.sync_waits is not None else "-"
             lines.append(f"| {r.method} | {r.drafts} | {r.draft_tokens} | {r.accepted} | {r.tokens_per_step:.3f} | "
-                         f"{vs[0]} | {vs[1]} | {r.tokens_per_s:.1f} | {ms} | {'yes' if r.identical else 'NO'} |")
+                         f"{vs[0]} | {vs[1]} | {r.tokens_per_s:.1f} | {ms} | {hit} | {waits} | "
+                         f"{'yes' if r.identical else 'NO'} |")
         lines.append("")
     return "\n".join(lines)
 
