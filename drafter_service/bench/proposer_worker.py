@@ -33,7 +33,7 @@ from drafter_service.datasets.request_files import Request, read_requests
 
 #: The proposer's figures reported per run (differences over the timed steps; absent fields read as 0).
 FIGURES = ("steps", "rows", "drafted_rows", "draft_tokens", "seconds", "failures", "prespec_hits", "prespec_misses",
-           "sync_waits")
+           "sync_waits", "late_answers")
 
 #: Vocabulary of the service's namespace (``ServiceProcess``) and of SmolLM2, whose tokens the data sets hold.
 VOCAB_SIZE = 49152
@@ -110,23 +110,30 @@ def build_proposer(method: str, config: SimpleNamespace, warm: Sequence[Request]
 
 
 def _figures(proposer: Any) -> dict[str, float]:
+    """The proposer's step figures now (absent fields, from before pre-speculation, read as 0)."""
     tracker = getattr(proposer, "_tracker", None)
+    if tracker is not None and hasattr(tracker, "sync_figures"):
+        tracker.sync_figures()  # pre-speculation's counts join the figures when they are written
     figures = vars(tracker.figures) if tracker is not None else {}
     return {name: float(figures.get(name, 0)) for name in FIGURES}
 
 
 def _close(proposer: Any) -> None:
-    """Stop a DrafterProposer's watcher and channel (best effort: nothing else needs it after the run)."""
+    """Stop a DrafterProposer's threads and channel, so that nothing of it runs during the next runs (best effort:
+    whichever of these the proposer has; the service stops after the run)."""
     closing = getattr(proposer, "_closing", None)
     if closing is not None:
         closing.set()
     tracker = getattr(proposer, "_tracker", None)
-    client = getattr(tracker, "client", None)
-    if client is not None:
-        try:
-            client.close()
-        except Exception:  # the service may be gone already
-            pass
+    speculator = getattr(tracker, "speculator", None)
+    calls = [getattr(proposer, "close", None), getattr(speculator, "close_all", None),
+             getattr(getattr(tracker, "client", None), "close", None)]
+    for call in calls:
+        if callable(call):
+            try:
+                call()
+            except Exception:  # a proposer that fails to close does not fail the benchmark
+                traceback.print_exc()
 
 
 def run(command: dict[str, Any], warm: Sequence[Request], held: Sequence[Request],
