@@ -1107,6 +1107,9 @@ typedef struct {
     int (*query)(PyObject *table, const int32_t *leader, int limit, int32_t *out_tokens, int64_t *out_counts,
                  int *fl_out);
     int (*leader_len)(PyObject *table);
+    /* LRUTable.update(tokens[:n], new_from) over raw int32 tokens: the pairs inserted, or -1 with ValueError
+     * set for a token id outside [0, 2**31) among those read (nothing is inserted then). */
+    Py_ssize_t (*update)(PyObject *table, const int32_t *tokens, Py_ssize_t n, Py_ssize_t new_from);
 } LRUTableCAPI;
 
 static int capi_query(PyObject *obj, const int32_t *leader, int limit, int32_t *out_tokens, int64_t *out_counts,
@@ -1133,7 +1136,23 @@ static int capi_query(PyObject *obj, const int32_t *leader, int limit, int32_t *
 
 static int capi_leader_len(PyObject *obj) { return ((LRUTable *)obj)->ll; }
 
-static LRUTableCAPI c_api = {&LRUTableType, capi_query, capi_leader_len};
+static Py_ssize_t capi_update(PyObject *obj, const int32_t *tokens, Py_ssize_t n, Py_ssize_t new_from) {
+    LRUTable *t = (LRUTable *)obj;
+    const Py_ssize_t span = t->ll + t->fl;
+    Py_ssize_t first = new_from > span - 1 ? new_from - span + 1 : 0;
+    if (first > n) first = n;
+    for (Py_ssize_t i = first; i < n; i++)
+        if (tokens[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "token id at index %zd is outside [0, 2**31)", i);
+            return -1;
+        }
+    Py_ssize_t pairs = 0;
+    for (Py_ssize_t i = first; i + span <= n; i++, pairs++)
+        if (table_insert(t, tokens + i, tokens + i + t->ll) < 0) return -1;
+    return pairs;
+}
+
+static LRUTableCAPI c_api = {&LRUTableType, capi_query, capi_leader_len, capi_update};
 
 static struct PyModuleDef lru_module = {
     PyModuleDef_HEAD_INIT,

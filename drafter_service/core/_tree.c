@@ -173,8 +173,29 @@ typedef struct {
     PyTypeObject *type;
     int (*query)(PyObject *table, const int *leader, int limit, int *out_tokens, int64_t *out_counts, int *fl_out);
     int (*leader_len)(PyObject *table);
+    Py_ssize_t (*update)(PyObject *table, const int *tokens, Py_ssize_t n, Py_ssize_t new_from);
 } LRUTableCAPI;
 static LRUTableCAPI *lru_api;
+
+/* The store kernels' C API (store._kernels), when that extension is built: the same layout as there. */
+typedef struct Lookup Lookup;
+typedef struct {
+    int64_t m;
+    const int64_t *counts;
+    Py_ssize_t k, depth;
+    const int *rows;
+} LookupResult;
+typedef struct {
+    size_t size;
+    Lookup *(*lookup_new)(void);
+    void (*lookup_free)(Lookup *L);
+    int (*store_lookup)(Lookup *L, const int *context, Py_ssize_t n, const int *ring, Py_ssize_t cap,
+                        int64_t oldest, int64_t stop, PyObject *delta, PyObject *main_ix, int64_t max_match,
+                        int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam, LookupResult *out);
+    int (*session_lookup)(Lookup *L, const int *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
+                          int64_t max_occ, int64_t depth, LookupResult *out);
+} KernelsCAPI;
+static KernelsCAPI *kernels_api;
 static PyObject *query_name;
 
 static int query_table(Builder *B, int t, const int *leader, PyObject **result) {
@@ -851,6 +872,63 @@ static int append_double(PyObject *list, double v) {
 
 static long list_long(PyObject *list, Py_ssize_t i) { return PyLong_AsLong(PyList_GET_ITEM(list, i)); }
 
+/* The store's and the session's lookups of a batched step, called straight through the store kernels' C API
+ * when the caller passed their native Python functions (else each goes through Python). */
+typedef struct {
+    Lookup *lookup[2];             /* working memory: the session's and the store's answers stay apart */
+    int session, store;            /* which go native */
+    Py_buffer ring;                /* the store's ring buffer slots, int32 */
+    int64_t oldest, end, candidates, examined;
+    PyObject *delta, *main_ix;     /* borrowed from the store arguments */
+} NativeLookups;
+
+static void native_lookups_free(NativeLookups *nl) {
+    for (int i = 0; i < 2; i++)
+        if (nl->lookup[i]) kernels_api->lookup_free(nl->lookup[i]);
+    if (nl->ring.obj) PyBuffer_Release(&nl->ring);
+    memset(nl, 0, sizeof(*nl));
+}
+
+static int native_lookups(NativeLookups *nl, PyObject *session_fn, PyObject *store_fn, PyObject *store_args) {
+    memset(nl, 0, sizeof(*nl));
+    if (!kernels_api) return 0;
+    nl->session = session_fn != NULL;
+    if (store_fn) {
+        PyObject *ring = PyTuple_GET_ITEM(store_args, 0);
+        if (PyObject_GetBuffer(ring, &nl->ring, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND) < 0) {
+            PyErr_Clear();
+            nl->ring.obj = NULL;
+        } else if (nl->ring.ndim == 1 && nl->ring.itemsize == 4 && nl->ring.len >= 4 &&
+                   (!nl->ring.format || !strcmp(nl->ring.format, "i") || !strcmp(nl->ring.format, "<i") ||
+                    !strcmp(nl->ring.format, "=i"))) {
+            nl->oldest = PyLong_AsLongLong(PyTuple_GET_ITEM(store_args, 1));
+            nl->end = PyLong_AsLongLong(PyTuple_GET_ITEM(store_args, 2));
+            nl->candidates = PyLong_AsLongLong(PyTuple_GET_ITEM(store_args, 5));
+            nl->examined = PyLong_AsLongLong(PyTuple_GET_ITEM(store_args, 6));
+            if (PyErr_Occurred()) PyErr_Clear();  /* not plain ints: the Python lookup decides */
+            else nl->store = 1;
+            nl->delta = PyTuple_GET_ITEM(store_args, 3);
+            nl->main_ix = PyTuple_GET_ITEM(store_args, 4);
+        }
+    }
+    for (int i = 0; i < 2 && (nl->session || nl->store); i++)
+        if (!(nl->lookup[i] = kernels_api->lookup_new())) return -1;
+    return 0;
+}
+
+/* A session's lookup of ``kind`` (0 its own tokens, 1 the store) over tok[:n]: 0 answered into *out, 1 to go
+ * through Python, -1 on error. */
+static int native_lookup(NativeLookups *nl, int kind, const int *tok, Py_ssize_t cap, long n, int max_match,
+                         int max_occ, int max_depth, LookupResult *out) {
+    if (kind == 0 && nl->session)
+        return kernels_api->session_lookup(nl->lookup[0], tok, cap, n, max_match, max_occ, max_depth, out);
+    if (kind == 1 && nl->store)
+        return kernels_api->store_lookup(nl->lookup[1], tok, n, (const int *)nl->ring.buf, nl->ring.len / 4,
+                                         nl->oldest, nl->end, nl->delta, nl->main_ix, max_match, max_occ, max_depth,
+                                         nl->candidates, nl->examined, out);
+    return 1;
+}
+
 /* steps(buffers, lengths, accepted, offsets, lasts, limits, report, emas, settings)
  * For each session in order, exactly as the per-session path: score its last packed draft against its accepted
  * tokens and append them (teaching the dynamic table), then (unless report-only) draft within its budget from
@@ -897,6 +975,8 @@ static PyObject *steps(PyObject *self, PyObject *args) {
     long drafted_kinds[4] = {0, 0, 0, 0}, confirmed_kinds[4] = {0, 0, 0, 0};
     int kinds_tmp[1024];
     PyObject *lim_o = NULL, *m_o = NULL, *occ_o = NULL, *dep_o = NULL;
+    NativeLookups nl;
+    if (native_lookups(&nl, session_fn, store_fn, store_args) < 0) goto done;
     if (PyObject_GetBuffer(accepted_o, &vin, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto done;
     if (vin.itemsize != 4 || (vin.format && strcmp(vin.format, "i") != 0 && strcmp(vin.format, "<i") != 0 &&
                               strcmp(vin.format, "=i") != 0)) {
@@ -960,8 +1040,14 @@ static PyObject *steps(PyObject *self, PyObject *args) {
             memcpy(tok + n, a, sizeof(int) * (size_t)k);
             long before = n;
             n += k;
-            if (dynamic) {
-                PyObject *window = PySequence_GetSlice(buf, before > 8 ? before - 8 : 0, n);
+            long from = before > 8 ? before - 8 : 0;  /* the new tokens with the 8 before them */
+            if (dynamic && lru_api && Py_TYPE(dynamic) == lru_api->type) {
+                if (lru_api->update(dynamic, tok + from, n - from, before - from) < 0) {
+                    PyBuffer_Release(&vb);
+                    goto done;
+                }
+            } else if (dynamic) {
+                PyObject *window = PySequence_GetSlice(buf, from, n);
                 PyObject *nf = window ? PyLong_FromLong(before < 8 ? before : 8) : NULL;
                 PyObject *uargs[3] = {dynamic, window, nf};
                 PyObject *r = nf ? PyObject_VectorcallMethod(update_name, uargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
@@ -986,28 +1072,47 @@ static PyObject *steps(PyObject *self, PyObject *args) {
             PyObject *rows_o[2] = {NULL, NULL};
             long ml[2] = {0, 0};
             Py_buffer vr[2] = {{0}, {0}};
-            PyObject *view = PySequence_GetSlice(buf, 0, n);
-            PyObject *n_o = view ? PyLong_FromLong(n) : NULL;
-            int ok = n_o != NULL;
-            if (ok && use_session) {
-                PyObject *sargs[5] = {buf, n_o, m_o, occ_o, dep_o};
-                ok = match_rows(session_fn, sargs, 5, fallback, 0, view, &ml[0], &rows_o[0]) == 0;
-            }
-            if (ok && use_store) {
-                PyObject *sargs[11] = {view, PyTuple_GET_ITEM(store_args, 0), PyTuple_GET_ITEM(store_args, 1),
-                                       PyTuple_GET_ITEM(store_args, 2), PyTuple_GET_ITEM(store_args, 3),
-                                       PyTuple_GET_ITEM(store_args, 4), m_o, occ_o, dep_o,
-                                       PyTuple_GET_ITEM(store_args, 5), PyTuple_GET_ITEM(store_args, 6)};
-                ok = match_rows(store_fn, sargs, 11, fallback, 1, view, &ml[1], &rows_o[1]) == 0;
+            LookupResult found[2] = {{0}, {0}};
+            PyObject *view = NULL, *n_o = NULL;
+            int ok = 1;
+            for (int kind = 0; ok && kind < 2; kind++) {
+                if (!(kind ? use_store : use_session)) continue;
+                int rc = native_lookup(&nl, kind, tok, vb.len / 4, n, max_match, max_occ, max_depth, &found[kind]);
+                if (rc < 0) {
+                    ok = 0;
+                } else if (rc == 0) {
+                    ml[kind] = (long)found[kind].m;
+                } else {  /* through the Python lookup the caller passed (or the fallback it declines to) */
+                    if (!view && (!(view = PySequence_GetSlice(buf, 0, n)) || !(n_o = PyLong_FromLong(n)))) {
+                        ok = 0;
+                        break;
+                    }
+                    if (kind == 0) {
+                        PyObject *sargs[5] = {buf, n_o, m_o, occ_o, dep_o};
+                        ok = match_rows(session_fn, sargs, 5, fallback, 0, view, &ml[0], &rows_o[0]) == 0;
+                    } else {
+                        PyObject *sargs[11] = {view, PyTuple_GET_ITEM(store_args, 0), PyTuple_GET_ITEM(store_args, 1),
+                                               PyTuple_GET_ITEM(store_args, 2), PyTuple_GET_ITEM(store_args, 3),
+                                               PyTuple_GET_ITEM(store_args, 4), m_o, occ_o, dep_o,
+                                               PyTuple_GET_ITEM(store_args, 5), PyTuple_GET_ITEM(store_args, 6)};
+                        ok = match_rows(store_fn, sargs, 11, fallback, 1, view, &ml[1], &rows_o[1]) == 0;
+                    }
+                }
             }
             Py_XDECREF(view);
             Py_XDECREF(n_o);
             builder_clear(&B);
             B.rows[0] = B.rows[1] = NULL;
             B.nrows[0] = B.nrows[1] = B.width[0] = B.width[1] = 0;
-            for (int kind = 0; ok && kind < 2; kind++)
-                if (rows_o[kind] && get_rows(rows_o[kind], &vr[kind], &B.rows[kind], &B.nrows[kind], &B.width[kind]) < 0)
-                    ok = 0;
+            for (int kind = 0; ok && kind < 2; kind++) {
+                if (rows_o[kind]) {
+                    if (get_rows(rows_o[kind], &vr[kind], &B.rows[kind], &B.nrows[kind], &B.width[kind]) < 0) ok = 0;
+                } else if (found[kind].m) {
+                    B.rows[kind] = found[kind].rows;
+                    B.nrows[kind] = found[kind].k;
+                    B.width[kind] = found[kind].depth;
+                }
+            }
             int ctx[MAX_LEADER];
             int cl = ctx_len < leader_len ? ctx_len : leader_len;
             if (cl > n) cl = (int)n;
@@ -1059,6 +1164,7 @@ static PyObject *steps(PyObject *self, PyObject *args) {
                            confirmed_kinds[3]);
 done:
     builder_free(&B);
+    native_lookups_free(&nl);
     if (vacc.obj) PyBuffer_Release(&vacc);
     if (vtr.obj) PyBuffer_Release(&vtr);
     if (vin.obj) PyBuffer_Release(&vin);
@@ -1089,6 +1195,13 @@ PyMODINIT_FUNC PyInit__tree(void) {
     Py_XDECREF(lru);
     lru_api = lru ? (LRUTableCAPI *)PyCapsule_Import("store._lru._C_API", 0) : NULL;
     if (!lru_api) PyErr_Clear();  /* not built: tables are queried through Python */
+    PyObject *kern = PyImport_ImportModule("store._kernels");
+    Py_XDECREF(kern);
+    kernels_api = kern ? (KernelsCAPI *)PyCapsule_Import("store._kernels._C_API", 0) : NULL;
+    if (!kernels_api || kernels_api->size != sizeof(KernelsCAPI)) {  /* not built, or another layout */
+        PyErr_Clear();
+        kernels_api = NULL;  /* lookups go through the Python functions the caller passes */
+    }
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "NATIVE_TABLES", lru_api != NULL) < 0) {
         Py_DECREF(m);

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from drafter_service.api.tree import accept_greedy
+from store import match_kernels
 from drafter_service.core.config import DrafterConfig
 from drafter_service.core.drafter import Drafter
 from drafter_service.core.tree_builder import native_module
@@ -31,9 +32,18 @@ def tree_tuple(tree) -> tuple:
     return tree.token_ids, tree.parents, tree.probs, tree.sources
 
 
+@pytest.fixture(params=["native", "numpy"])
+def lookups(request):
+    """The store and session lookups the batch makes: straight through the kernels' C API, or through the numpy
+    reference the Python layer passes (the batch's fallback)."""
+    before = match_kernels.use_native(request.param == "native")
+    yield request.param
+    match_kernels.use_native(before)
+
+
 @pytest.mark.parametrize("rebuild", [False, True])
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_batched_steps_draft_what_single_calls_draft(rebuild, adaptive):
+def test_batched_steps_draft_what_single_calls_draft(rebuild, adaptive, lookups):
     single, batched = make(rebuild, adaptive_budget=adaptive), make(rebuild, adaptive_budget=adaptive)
     requests = corpus(1, 9)
     for d in (single, batched):
