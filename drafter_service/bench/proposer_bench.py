@@ -167,7 +167,11 @@ def run_one(worker: ProposerWorker, method: str, batch: int, args: argparse.Name
     if method in DRAFTER_ENV:
         tokens = sum(r.prompt.size + r.output.size for r in warm)
         service = ServiceProcess(workdir / f"service-{method}-{batch}", max(1 << 22, 4 * tokens))
-        service.start()
+        try:
+            service.start()
+        except (RuntimeError, TimeoutError) as exc:
+            _progress(f"{method} B={batch} left out: the service did not start: {exc}")
+            return None
         command["env"] = {"DRAFTER_ADDRESS": service.address, "DRAFTER_COST_AWARE": "1" if args.cost_aware else "0",
                           **DRAFTER_ENV[method]}
     try:
