@@ -28,6 +28,8 @@ def add_batch_bench(bench: argparse._SubParsersAction) -> None:
     bp.add_argument("--budget", type=int, action="append", help="tree budget (repeatable; default 16 and 32)")
     bp.add_argument("--steps", type=int, default=30, help="engine steps timed per configuration and path")
     bp.add_argument("--reuse", type=int, default=0, help="1: let the client reuse subtrees (fewer round trips)")
+    bp.add_argument("--wire", type=int, default=1, help="1: also time DraftBatch as a bare load generator sends it "
+                    "(packed steps, replies read whole with numpy): what the service answers, without the client")
     bp.set_defaults(func=run_batch_bench)
 
 
@@ -68,6 +70,67 @@ class Engine:
             self.client.end(sid, accepted)
 
 
+class WireEngine:
+    """B requests in flight as a bare load generator keeps them: one packed DraftBatch per step, straight on the
+    stub, the reply read whole with ``numpy.frombuffer`` (no tree object per session); sessions start and end
+    with their own calls outside the timed step."""
+
+    def __init__(self, stub: pb_grpc.DrafterStub, pool: list[Request], batch: int, offset: int) -> None:
+        self.stub, self.pool, self.next = stub, pool, offset
+        self.slots = [self._open() for _ in range(batch)]
+
+    def _open(self) -> list:
+        req = self.pool[self.next % len(self.pool)]
+        self.next += 1
+        sid = f"wire-{self.next}"
+        self.stub.StartSession(pb.StartSessionRequest(session_id=sid, prompt=req.prompt.tolist()))
+        return [sid, req.output.tolist(), 0, []]
+
+    def step(self, budget: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """One DraftBatch for every session: (tree offsets, token ids, parents) of the reply."""
+        accepted = [slot[3] for slot in self.slots]
+        reply = self.stub.DraftBatch(pb.DraftBatchRequest(
+            max_nodes=budget, packed_sessions=[slot[0] for slot in self.slots],
+            packed_tokens=np.fromiter((t for a in accepted for t in a), "<i4").tobytes(),
+            packed_counts=[len(a) for a in accepted]), timeout=30.0)
+        if len(reply.step_errors):
+            raise RuntimeError(f"DraftBatch step failed: {reply.step_errors[0].message}")
+        return list(reply.tree_offsets), np.frombuffer(reply.token_ids, "<i4"), np.frombuffer(reply.parents, "<i4")
+
+    def advance(self, answer: tuple[list[int], np.ndarray, np.ndarray]) -> None:
+        """Greedy acceptance of each tree (as ``Engine.advance``), read from the packed reply."""
+        offsets, token_ids, parents = answer
+        tokens, links = token_ids.tolist(), parents.tolist()
+        for k, slot in enumerate(self.slots):
+            sid, out, pos, _ = slot
+            lo, hi = offsets[k], offsets[k + 1]
+            node, n = -1, 0
+            for i in range(lo, hi):  # every parent comes before its children
+                if pos + n < len(out) and links[i] == node and tokens[i] == out[pos + n]:
+                    node, n = i - lo, n + 1
+            slot[3] = out[pos:pos + n + 1]
+            slot[2] = pos + len(slot[3])
+            if slot[2] >= len(out):
+                self.stub.EndSession(pb.EndSessionRequest(session_id=sid, accepted=slot[3]))
+                self.slots[k] = self._open()
+
+    def close(self) -> None:
+        for sid, _, _, accepted in self.slots:
+            self.stub.EndSession(pb.EndSessionRequest(session_id=sid, accepted=accepted))
+
+
+def _time_wire(engine: WireEngine, budget: int, steps: int) -> list[float]:
+    """Milliseconds per DraftBatch of the bare load generator, ``steps`` of them after two to warm up."""
+    times = []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        answer = engine.step(budget)
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
+        engine.advance(answer)
+    return times
+
+
 def _time_steps(engine: Engine, batched: bool, budget: int, steps: int) -> list[float]:
     """Milliseconds of drafting per engine step (every request's draft), ``steps`` of them after two to warm up."""
     times = []
@@ -100,23 +163,34 @@ def run_batch_bench(args: argparse.Namespace) -> int:
                 stats = stub.GetStats(pb.GetStatsRequest())
             print(f"stored {stats.stored_tokens:,} tokens in {stats.stored_requests:,} requests; "
                   f"{args.steps} engine steps per row, medians; client reuse {'on' if args.reuse else 'off'}")
-            print("| B | budget | per-request Draft: ms/step | DraftBatch: ms/step | speedup | DraftBatch drafts/s |")
-            print("|---|---|---|---|---|---|")
-            with DrafterClient(svc.address, timeout=30.0, reuse=bool(args.reuse)) as client:
+            wire = " DraftBatch, bare: ms/step | drafts/s |" if args.wire else ""
+            print(f"| B | budget | per-request Draft: ms/step | DraftBatch: ms/step | speedup | DraftBatch drafts/s |"
+                  f"{wire}")
+            print("|---|---|---|---|---|---|" + ("---|---|" if args.wire else ""))
+            with DrafterClient(svc.address, timeout=30.0, reuse=bool(args.reuse)) as client, \
+                    grpc.insecure_channel(svc.address) as channel:
+                stub = pb_grpc.DrafterStub(channel)
                 cursor = 0  # every engine replays requests no earlier engine stored (else the repeat cache answers)
                 for budget in budgets:
                     for b in batches:
                         medians = []
-                        for batched in (False, True):
-                            engine = Engine(client, held, b, offset=cursor)
-                            medians.append(float(np.median(_time_steps(engine, batched, budget, args.steps))))
+                        for path in ("single", "batch", "wire") if args.wire else ("single", "batch"):
+                            engine: Engine | WireEngine
+                            if path == "wire":
+                                engine = WireEngine(stub, held, b, offset=cursor)
+                                medians.append(float(np.median(_time_wire(engine, budget, args.steps))))
+                            else:
+                                engine = Engine(client, held, b, offset=cursor)
+                                medians.append(float(np.median(_time_steps(engine, path == "batch", budget,
+                                                                           args.steps))))
                             engine.close()
                             if engine.next > len(held) >= cursor:
                                 print(f"(requests replayed from here on: the {len(held)} held-out ones are used up)")
                             cursor = engine.next
-                        single, batch = medians
+                        single, batch = medians[:2]
+                        bare = f" {medians[2]:.2f} | {b / medians[2] * 1e3:,.0f} |" if args.wire else ""
                         print(f"| {b} | {budget} | {single:.2f} | {batch:.2f} | {single / batch:.1f}× | "
-                              f"{b / batch * 1e3:,.0f} |", flush=True)
+                              f"{b / batch * 1e3:,.0f} |{bare}", flush=True)
         finally:
             svc.stop()
     return 0
