@@ -261,6 +261,11 @@ class DrafterClient(LocalFigures):
         if len(self._buffer) and self._backoff.ready():
             self._buffer.add(self._send(self._buffer.take(len(self._buffer)), False), front=True)
 
+    def flush(self) -> None:
+        """Send the completed requests buffered while the service was away, if it is back (``start``, ``end`` and
+        ``ingest`` do it on the way; an engine that only drafts calls this now and then)."""
+        self._flush()
+
     def start(self, prompt: Sequence[int], max_nodes: int = 0, open_now: bool = True) -> str:
         """Open a session for a request; returns its id even when the service is away (opened there later).
 

@@ -554,3 +554,8 @@ class LocalFigures:
     def buffered(self) -> int:
         """Completed requests waiting for the service."""
         return len(self._buffer)
+
+    @property
+    def available(self) -> bool:
+        """Whether the last attempt to reach the service succeeded (False while backing off after a failure)."""
+        return not self._backoff.down

@@ -1,0 +1,255 @@
+"""Pre-speculation: every running request's next chain is ready before the engine asks (Saguaro's idea).
+
+While the engine verifies step t, the service drafts a tree for each request's context as of step t, deeper than
+one chain and with siblings where the verification may turn. At step t+1 the engine reports the outcome (the
+accepted draft tokens, then its own token); the chain is cut from that tree below the outcome, without touching the
+network (a hit). The step's tokens go to the service from a background thread (``DraftSender``), and its answer
+lands while the engine runs the next forward pass.
+
+On a miss (the outcome left the tree, or it has no tree yet) one rule decides between no draft and waiting for the
+step's own answer: wait while the missed rows' expected accepted tokens are worth the wait, measured against the
+engine's step time. A breaker stops all waiting while the service answers late, and closes again with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+from drafter_service.api.backoff import BackoffClock, ExponentialBackoff
+from engine_client.client import DrafterClient
+from engine_client.draft_sender import DraftSender, Ended, Landed, Opened, Stepped, Tracked
+from engine_client.packed_trees import PackedTrees
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PreSpeculator", "PreSpeculationFigures", "Tracked"]
+
+#: Weight of the newest measurement in the running means of step time, round trip and accepted tokens.
+EMA = 0.2
+
+Chains = tuple[list[list[int]], list[list[float]]]
+"""Per row: the chain's tokens, and each token's estimate given the row's context."""
+
+
+@dataclass
+class PreSpeculationFigures:
+    """What pre-speculation did: hits and misses per row, waits per step, and the times the wait rule uses."""
+
+    hits: int = 0  # rows whose chain came from a tree drafted earlier, without the network
+    misses: int = 0  # rows that wanted a chain but their tree held none below what they appended
+    waits: int = 0  # steps that waited for their own answer
+    late: int = 0  # waits that ended without the answer (the breaker opened)
+    skipped_waits: int = 0  # missed rows left without a draft: the wait would not pay, or the breaker was open
+    step_seconds: float = 0.0  # running mean of the engine's step (between calls)
+    round_trip_seconds: float = 0.0  # running mean of a DraftBatch round trip
+    accepted_per_chain: float = 1.0  # running mean of tokens accepted per chain proposed
+
+    def as_dict(self) -> dict[str, float]:
+        """The figures by name."""
+        return asdict(self)
+
+
+class PreSpeculator:
+    """Chains for many running requests, cut from trees drafted one step ahead.
+
+    ``open`` returns a handle per request. Each ``step`` reports every row's new tokens and returns its chain;
+    everything that costs runs on the sender's thread, which starts when the engine calls ``release`` (after its
+    step's own work, so the two threads do not take turns on the interpreter lock in the middle of a step).
+
+    Args:
+        client: a drafter client, for the sender's thread alone.
+        k: most tokens per chain (the engine's speculative length).
+        max_nodes: nodes per tree asked for (deeper than ``k``, so the chain after the next outcome is in it).
+        min_prob: a chain token estimated below this ends the chain.
+        timeout: the longest wait for a step's answer.
+        prespeculate: False waits for every step's answer and cuts chains from the fresh trees (the synchronous
+            proposer, for comparison).
+        history: most tokens followed down an earlier tree (default ``4 * k + 8``).
+        clock: seconds, for the step times.
+    """
+
+    def __init__(self, client: DrafterClient, k: int, max_nodes: int, min_prob: float = 0.0, timeout: float = 0.1,
+                 prespeculate: bool = True, history: int = 0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.k, self.min_prob, self.timeout, self.prespeculate = k, min_prob, timeout, prespeculate
+        self.history = history or 4 * k + 8
+        self.clock = clock
+        self.figures = PreSpeculationFigures()
+        self.refused = ""  # the service's refusal of this engine's tokens ("" while none)
+        self._landed = threading.Condition()
+        self._answered = -1  # the last ticket whose answer landed
+        self._failed = -1  # the last ticket the service did not answer
+        self._ticket = -1
+        self._breaker = BackoffClock(ExponentialBackoff(0.1, 5.0))
+        self._last_step = 0.0
+        self._sender = DraftSender(client, max_nodes, self._land, self._refuse)
+
+    # -- the engine's thread -------------------------------------------------------------------------------
+
+    def open(self, prompt: Sequence[int]) -> Tracked:
+        """A new request with its prompt (its context so far); returns its handle."""
+        req = Tracked(list(prompt[-self.history:]), len(prompt))
+        self._sender.put(Opened(req, list(prompt)), wake=False)
+        return req
+
+    def close(self, req: Tracked) -> None:
+        """The request finished: its session ends (the service stores it) once ``release`` is called."""
+        self._sender.put(Ended(req), wake=False)
+
+    def step(self, reqs: Sequence[Tracked], new: Sequence[list[int]], max_lengths: Sequence[int]) -> Chains:
+        """Record each row's new tokens and return its chain for the new context.
+
+        Args:
+            reqs: each row's request.
+            new: tokens each row appended since its last step (accepted draft tokens and the target's own).
+            max_lengths: most chain tokens per row (0: no chain wanted).
+        """
+        now = self.clock()
+        fig = self.figures
+        if self._last_step:  # an idle engine's gap counts as at most a few steps
+            took = now - self._last_step
+            fig.step_seconds += EMA * (min(took, 4 * fig.step_seconds) - fig.step_seconds) if fig.step_seconds else (
+                took)
+        accepted, chains_proposed = 0, 0
+        history = self.history
+        for req, toks in zip(reqs, new, strict=True):
+            if req.proposed:
+                chains_proposed += 1
+                accepted += min(max(len(toks) - 1, 0), req.proposed)
+            req.total += len(toks)
+            recent = req.recent
+            recent += toks
+            if len(recent) > 2 * history:
+                del recent[:-history]
+        if chains_proposed:
+            fig.accepted_per_chain += EMA * (accepted / chains_proposed - fig.accepted_per_chain)
+        self._ticket += 1
+        ticket = self._ticket
+        self._sender.put(Stepped(ticket, list(reqs), list(new), [r.total for r in reqs]), wake=False)
+        if self.prespeculate:
+            tokens, probs = self._lookup(reqs, max_lengths)
+            hits = sum(1 for t in tokens if t)
+            missed = sum(1 for t, m in zip(tokens, max_lengths, strict=True) if not t and m > 0)
+            fig.hits += hits
+            fig.misses += missed
+        else:
+            tokens, probs = [[] for _ in reqs], [[] for _ in reqs]
+            hits, missed = 0, sum(1 for m in max_lengths if m > 0)
+        if missed:
+            wait = self._worth_waiting(missed, len(reqs), hits)
+            if wait > 0 and self._wait_for(ticket, wait):
+                fresh, fresh_probs = self._lookup(reqs, max_lengths)  # drafted for this very context
+                for i, chain in enumerate(fresh):
+                    if chain:
+                        tokens[i], probs[i] = chain, fresh_probs[i]
+            elif self.prespeculate:
+                fig.skipped_waits += missed
+        for req, chain in zip(reqs, tokens, strict=True):
+            req.proposed = len(chain)
+        self._last_step = self.clock()
+        return tokens, probs
+
+    def release(self) -> None:
+        """The engine's thread is done with this step: the sender may send what is queued."""
+        self._sender.wake()
+
+    def proposed(self, reqs: Sequence[Tracked], lengths: Sequence[int]) -> None:
+        """What the engine was given in the end (a cost cut may shorten ``step``'s chains): what the next step's
+        outcomes are measured against."""
+        for req, n in zip(reqs, lengths, strict=True):
+            req.proposed = n
+
+    def close_all(self) -> None:
+        """Stop the sender after what is queued was sent."""
+        self._sender.close()
+
+    def _lookup(self, reqs: Sequence[Tracked], max_lengths: Sequence[int]) -> Chains:
+        """Each row's chain from the tree its request has, followed down the tokens appended since."""
+        tokens: list[list[int]] = []
+        probs: list[list[float]] = []
+        history, min_prob = self.history, self.min_prob
+        for req, max_len in zip(reqs, max_lengths, strict=True):
+            landed = req.landed
+            span = req.total - landed[0]
+            if landed[1] is None or max_len <= 0 or not 0 <= span <= min(history, len(req.recent)):
+                tokens.append([])
+                probs.append([])
+                continue
+            tree: PackedTrees = landed[1]
+            code = tree.descend(landed[2], req.recent[len(req.recent) - span:]) if span else landed[2]
+            if code < 0:
+                tokens.append([])
+                probs.append([])
+                continue
+            chain, estimates = tree.chain(code, max_len, min_prob)
+            tokens.append(chain)
+            probs.append(estimates)
+        return tokens, probs
+
+    def _worth_waiting(self, missed: int, rows: int, hits: int) -> float:
+        """Seconds worth waiting for the step's own answer (0: do not wait).
+
+        Waiting ``w`` makes the step ``(T + w) / T`` as long and adds the missed rows' expected accepted tokens to
+        the ``rows + hits' expected`` the step yields; it pays while ``w < T * gain / yield``. Without
+        pre-speculation every step waits (up to the timeout). Never while the breaker is open.
+        """
+        if not self._breaker.ready() or self._sender.stuck(self.timeout):
+            return 0.0
+        if not self.prespeculate:
+            return self.timeout
+        fig = self.figures
+        if not fig.step_seconds:
+            return 0.0
+        gain = missed * fig.accepted_per_chain
+        worth = fig.step_seconds * gain / (rows + hits * fig.accepted_per_chain)
+        if worth < fig.round_trip_seconds:
+            return 0.0
+        return min(self.timeout, worth)
+
+    def _wait_for(self, ticket: int, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the answer carrying ``ticket``; a late answer opens the breaker."""
+        self.figures.waits += 1
+        self._sender.wake()
+        deadline = time.monotonic() + seconds
+        with self._landed:
+            while self._answered < ticket and self._failed < ticket and not self.refused:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._landed.wait(left)
+            answered = self._answered >= ticket
+        if answered:
+            self._breaker.reset()
+        else:
+            self.figures.late += 1
+            wait = self._breaker.failure()
+            logger.info("drafter: no answer within %.0f ms; drafts are not waited for during the next %.1f s",
+                        seconds * 1e3, wait)
+        return answered
+
+    # -- the sender's thread ----------------------------------------------------------------------------------
+
+    def _land(self, landed: Landed) -> None:
+        if not landed.answered:  # the service is away: the trees already there stay, a waiting step stops
+            with self._landed:
+                self._failed = max(self._failed, landed.ticket)
+                self._landed.notify_all()
+            return
+        fig = self.figures
+        fig.round_trip_seconds += EMA * (landed.seconds - fig.round_trip_seconds) if fig.round_trip_seconds else (
+            landed.seconds)
+        tree = landed.trees
+        for i, (req, total) in enumerate(zip(landed.reqs, landed.totals, strict=True)):
+            req.landed = (total, tree, i)  # one assignment: the engine's thread reads the three together
+        with self._landed:
+            self._answered = max(self._answered, landed.ticket)
+            self._landed.notify_all()
+
+    def _refuse(self, reason: str) -> None:
+        with self._landed:
+            self.refused = reason
+            self._landed.notify_all()
