@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from drafter_service.api.tree import accept_greedy
-from store import match_kernels
 from drafter_service.core.config import DrafterConfig
 from drafter_service.core.drafter import Drafter
 from drafter_service.core.tree_builder import native_module
+from store import match_kernels
 
 pytestmark = pytest.mark.skipif(native_module() is None, reason="the native tree builder is not built")
 
