@@ -17,7 +17,7 @@ from drafter_service.core.config import DrafterConfig
 from drafter_service.rpc.server import create_server
 from drafter_service.service.config import ServiceConfig
 from engine_client import DrafterClient
-from engine_client.vllm import FIXED_MIN_PROB, DrafterProposer, ProposerSettings
+from engine_client.vllm import FIXED_MIN_PROB, DrafterProposer, ProposerSettings, drafting_rank
 
 VOCAB = 300
 MAX_LEN = 256
@@ -63,6 +63,9 @@ def service(monkeypatch):
     monkeypatch.setenv("DRAFTER_ADDRESS", address)
     monkeypatch.setenv("DRAFTER_TIMEOUT", "2")
     monkeypatch.setenv("DRAFTER_COST_AWARE", "0")  # whole chains: what these tests check (see the cost tests)
+    # every step waits for its own answer: these tests check the drafts themselves (tests/engine_client/
+    # test_prespeculation.py checks drafting one step ahead)
+    monkeypatch.setenv("DRAFTER_PRESPECULATE", "0")
     yield server, address
     server.stop(0)
 
@@ -153,6 +156,7 @@ def test_requests_are_followed_across_moving_rows_and_stored_when_finished(servi
     tokens = reqs["r2"][0] + reqs["r2"][1][:6]
     runner.place(["r2"], {"r2": tokens}, {"r2": 12})
     runner.step([[tokens[-1]]])
+    wait_stored(address, 2)  # ended from the sender's thread, off the step
     assert stored_requests(address) == 2
     assert runner.step([[]]) == [[]]  # a row without sampled tokens (a prefill in progress) gets no draft
     del runner.requests["r2"]
@@ -286,3 +290,66 @@ def test_an_idle_engine_between_batches_does_not_make_drafts_look_free(service, 
     # smaller size look as slow as the large ones, and every token worth verifying.
     drafted = costed_drafts(monkeypatch, service[1], per_token=5.0, idle_after=30)
     assert sum(drafted[25:30]) == 0 and sum(drafted[40:]) == 0
+
+
+def parallel_config(rank: int, tp: int, pp: int = 1, backend: str | None = "mp") -> SimpleNamespace:
+    return SimpleNamespace(rank=rank, world_size=tp * pp, tensor_parallel_size=tp, prefill_context_parallel_size=1,
+                           distributed_executor_backend=backend)
+
+
+@pytest.mark.parametrize(("tp", "pp", "drafting"), [(1, 1, {0}), (2, 1, {0}), (4, 1, {0}), (2, 2, {2}),
+                                                    (2, 4, {6}), (1, 3, {2})])
+def test_only_the_rank_whose_drafts_vllm_uses_drafts(tp, pp, drafting):
+    # vLLM's executor takes the model runner output of rank world_size - tensor_parallel_size: the first
+    # tensor-parallel rank of the last pipeline stage
+    ranks = {rank for rank in range(tp * pp) if drafting_rank(SimpleNamespace(parallel_config=parallel_config(
+        rank, tp, pp)))}
+    assert ranks == drafting
+
+
+def test_external_launcher_with_several_ranks_is_refused_at_start():
+    config = vllm_config()
+    config.parallel_config = parallel_config(0, 2, backend="external_launcher")
+    with pytest.raises(ValueError, match="external_launcher"):
+        DrafterProposer(config)
+    config.parallel_config = parallel_config(0, 1, backend="external_launcher")  # one rank: nothing to agree on
+    assert DrafterProposer(config).drafts
+
+
+def test_a_rank_whose_drafts_are_dropped_neither_drafts_nor_stores(service):
+    _, address = service
+    config = vllm_config()
+    config.parallel_config = parallel_config(1, 2)
+    proposer = DrafterProposer(config)
+    runner = Runner(proposer)
+    runner.load_model()
+    assert proposer._tracker is None  # no client, no connection
+    rng = np.random.default_rng(5)
+    reqs = {"a": (rng.integers(0, VOCAB, 10).tolist(), rng.integers(0, VOCAB, 6).tolist())}
+    drafts = generate(runner, reqs, [["a"]] * 4)
+    assert all(d == {"a": []} for d in drafts)
+    runner.requests.clear()
+    runner.step([])
+    with DrafterClient(address) as client:
+        figures = client.stats()
+    assert (figures["stored_requests"], figures["active_sessions"]) == (0, 0)
+
+
+def test_by_default_chains_come_from_trees_drafted_one_step_ahead(service, monkeypatch):
+    monkeypatch.setenv("DRAFTER_PRESPECULATE", "1")
+    prompt, output = list(range(1, 40)) * 3, list(range(40, 100))
+    with DrafterClient(service[1]) as client:
+        client.ingest([(prompt, output)])
+    proposer, runner = proposer_with_runner()
+    tokens, drafts = list(prompt), []
+    runner.requests["a"] = SimpleNamespace(sampling_params=None)
+    for pos in range(12):  # one token a step, each step after the previous step's answer could land
+        tokens.append(output[pos])
+        runner.place(["a"], {"a": tokens}, {"a": len(prompt)})
+        drafts.append(runner.step([[output[pos]]])[0])
+        time.sleep(0.05)
+    figures = proposer._tracker.figures
+    proposer._tracker.sync_figures()
+    assert drafts[-1] == output[12:12 + K]
+    assert figures.prespec_hits >= 10  # every step but the first ones: cut from the tree that was already there
+    assert figures.late_answers == 0

@@ -1,0 +1,223 @@
+"""vLLM's rows turned into requests, their new tokens and their chains: the proposer's per-step work.
+
+vLLM passes rows, not requests: row ``i`` of a step belongs to ``req_ids[i]`` (the model runner's input batch), and
+rows move as requests finish. Per row this does a dictionary lookup and a few list operations (a row's new tokens
+are normally its sampled tokens; vLLM's token buffer is read only where they do not line up); chains come from the
+``PreSpeculator``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_client.prespeculation import PreSpeculator, Tracked
+from engine_client.verify_budget import VerifyBudget
+
+__all__ = ["RequestTracker", "StepFigures", "RequestLimits"]
+
+RequestLimits = Callable[[str, int], tuple[int, frozenset[int]]]
+"""(request id, prompt length) -> (most tokens the request may hold, token ids that end it)."""
+
+
+def no_limits(req_id: str, prompt_len: int) -> tuple[int, frozenset[int]]:
+    """No token limit and no stop tokens."""
+    return sys.maxsize, frozenset()
+
+
+@dataclass
+class StepFigures:
+    """What the proposer did so far (written to ``ProposerSettings.stats_file``)."""
+
+    steps: int = 0  # propose calls
+    rows: int = 0  # request rows seen over all steps
+    drafted_rows: int = 0  # rows given a non-empty chain
+    draft_tokens: int = 0
+    opened: int = 0  # requests followed
+    ended: int = 0  # requests ended (stored by the service)
+    failures: int = 0  # steps that raised inside the proposer (no drafts that step)
+    seconds: float = 0.0  # time inside propose
+    seconds_max: float = 0.0
+    offered_tokens: int = 0  # chain tokens before the verify budget cut them (equal to draft_tokens without one)
+    cost_points: list[tuple[float, float]] = field(default_factory=list)  # the budget's (tokens, seconds) per step
+    acceptance_gamma: float = 1.0  # the budget's calibration exponent
+    prespec_hits: int = 0  # rows whose chain came from a tree drafted one step ahead (no network)
+    prespec_misses: int = 0  # rows whose pre-speculated tree held no chain
+    sync_waits: int = 0  # steps that waited for their own answer
+    late_answers: int = 0  # waits that ended without an answer (the breaker opened)
+    round_trip_ms: float = 0.0  # running mean of a DraftBatch round trip
+    step_ms: float = 0.0  # running mean of the engine's step
+    longest_step_ms: float = 0.0  # the longest time from one step to the next, no request joining between
+
+
+class _Request:
+    """One request: its pre-speculation handle and what limits it."""
+
+    __slots__ = ("req", "known", "limit", "stops", "done", "probs")
+
+    def __init__(self, req: Tracked, known: int, limit: int, stops: frozenset[int]) -> None:
+        self.req = req
+        self.known = known  # tokens recorded (prompt and output)
+        self.limit = limit  # most tokens the request may hold: later ones are vLLM's overshoot
+        self.stops = stops  # token ids that end it
+        self.done = False  # a stop token or the limit reached: nothing more to send or draft
+        self.probs: list[float] = []  # the estimates of the chain proposed last, for the calibration
+
+
+class RequestTracker:
+    """Follows vLLM's requests across engine steps; ``step`` returns each row's chain.
+
+    A request is followed from the first time it has a row with sampled tokens; each step records the tokens its
+    row gained since (so a skipped step loses nothing); a request the runner no longer holds is ended (the service
+    stores it).
+
+    Args:
+        speculator: where chains come from and tokens go.
+        k: most tokens per chain.
+        max_model_len: vLLM's limit on a request's tokens.
+        limits: each request's token limit and stop tokens.
+        budget: cuts the chains to what pays for the batch (its curve's sizes are the step's query tokens: one per
+            row plus the draft tokens); None proposes every chain whole.
+        clock: seconds, for the step times (between consecutive steps).
+    """
+
+    def __init__(self, speculator: PreSpeculator, k: int, max_model_len: int, limits: RequestLimits = no_limits,
+                 budget: VerifyBudget | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.speculator, self.k, self.max_model_len = speculator, k, max_model_len
+        self.limits, self.budget, self.clock = limits, budget, clock
+        self.requests: dict[str, _Request] = {}
+        self.figures = StepFigures()
+        self.last_rows: tuple[str, ...] = ()  # the request of each row, last step
+        self._last_step: tuple[float, int] | None = None  # (time, query tokens) of the previous step
+        self._last_began = 0.0
+
+    def step(self, req_ids: Sequence[str], prompt_lens: Sequence[int], sampled: Sequence[Sequence[int]],
+             num_tokens: Any, token_ids: Any) -> list[list[int]]:
+        """Drafts for one engine step: a chain (plain ints, at most ``k``) per row of ``sampled``.
+
+        Args:
+            req_ids: the request id of each row.
+            prompt_lens: each row's prompt length.
+            sampled: tokens each row gained this step ([] for a prefill still in progress: it gets no draft).
+            num_tokens: (rows,) each row's token count (prompt and output, this step's tokens included).
+            token_ids: (rows, max_model_len) array; row i's first ``num_tokens[i]`` entries are its tokens.
+        """
+        began = self.clock()
+        rows = len(sampled)
+        fig = self.figures
+        fig.steps += 1
+        fig.rows += rows
+        out: list[list[int]] = [[] for _ in range(rows)]
+        ids = tuple(req_ids[:rows])
+        counts = num_tokens[:rows].tolist() if hasattr(num_tokens, "tolist") else list(num_tokens[:rows])
+        at: list[int] = []
+        reqs: list[_Request] = []
+        new: list[list[int]] = []
+        room: list[int] = []
+        requests, k, max_len = self.requests, self.k, self.max_model_len
+        for i, (rid, got, n) in enumerate(zip(ids, sampled, counts, strict=True)):
+            if not got:
+                continue
+            q = requests.get(rid)
+            if q is None:
+                q = self._open(rid, int(prompt_lens[i]), token_ids[i])
+            if q.done:
+                continue
+            upto = min(n, q.limit)
+            if q.known + len(got) == n and n <= q.limit:
+                toks = list(got)  # the usual step: the sampled tokens are exactly what the row gained
+            else:
+                toks = token_ids[i, q.known:upto].tolist() if upto > q.known else []
+            if q.stops and not q.stops.isdisjoint(toks):
+                stop = next(j for j, tok in enumerate(toks) if tok in q.stops)
+                del toks[stop + 1:]
+                q.done = True
+            q.known += len(toks)
+            q.done = q.done or q.known >= q.limit
+            at.append(i)
+            reqs.append(q)
+            new.append(toks)
+            room.append(0 if q.done else max(0, min(k, max_len - n - 1)))
+        if reqs:
+            chains = self._draft(reqs, new, room, rows)
+            for i, chain in zip(at, chains, strict=True):
+                out[i] = chain
+        self._time_step(began, ids, all(sampled), rows + sum(map(len, out)))
+        return out
+
+    def _open(self, req_id: str, prompt_len: int, row: Any) -> _Request:
+        limit, stops = self.limits(req_id, prompt_len)
+        q = self.requests[req_id] = _Request(self.speculator.open(row[:prompt_len].tolist()), prompt_len, limit,
+                                             stops)
+        self.figures.opened += 1
+        return q
+
+    def _draft(self, reqs: list[_Request], new: list[list[int]], room: list[int], rows: int) -> list[list[int]]:
+        """Record the rows' new tokens and cut their chains (by the budget, when there is one)."""
+        self._learn(reqs, new)
+        tokens, probs = self.speculator.step([q.req for q in reqs], new, room)
+        offered = sum(map(len, tokens))
+        self.figures.offered_tokens += offered
+        if self.budget is not None and offered:
+            keep = self.budget.choose_batch(probs, self.k, base_tokens=rows)
+            tokens = [t[:n] for t, n in zip(tokens, keep, strict=True)]
+            self.speculator.proposed([q.req for q in reqs], keep)
+            self.figures.cost_points = self.budget.curve.points()
+            self.figures.acceptance_gamma = self.budget.calibration.gamma
+        for q, t, p in zip(reqs, tokens, probs, strict=True):
+            q.probs = p[:len(t)]
+        drafted = sum(1 for t in tokens if t)
+        self.figures.drafted_rows += drafted
+        self.figures.draft_tokens += sum(map(len, tokens))
+        return tokens
+
+    def _learn(self, reqs: list[_Request], new: list[list[int]]) -> None:
+        """Teach the budget's calibration which tokens of the chains proposed last were accepted (a row gains its
+        accepted draft tokens plus the target's own)."""
+        if self.budget is None:
+            return
+        estimates: list[float] = []
+        outcomes: list[bool] = []
+        for q, toks in zip(reqs, new, strict=True):
+            if q.probs:
+                accepted = min(max(len(toks) - 1, 0), len(q.probs))
+                estimates += q.probs
+                outcomes += [j < accepted for j in range(len(q.probs))]
+                q.probs = []
+        if estimates:
+            self.budget.calibration.observe(estimates, outcomes)
+
+    def _time_step(self, began: float, ids: tuple[str, ...], all_sampled: bool, tokens: int) -> None:
+        """Teach the budget's curve what the previous step cost (from the end of the previous ``step`` to the
+        start of this one). A step is timed only when it ran the same requests in the same rows as the one before:
+        a request that joined (its prefill would count as draft tokens), left or was still in prefill, or a new
+        batch after the engine idled, is not timed."""
+        last, self._last_step = self._last_step, (self.clock(), tokens)
+        same = ids == self.last_rows
+        if last is not None and self._last_began and (same or set(ids) <= set(self.last_rows)):
+            self.figures.longest_step_ms = max(self.figures.longest_step_ms, (began - self._last_began) * 1e3)
+        self._last_began = began
+        self.last_rows = ids
+        if self.budget is not None and last is not None and same and all_sampled:
+            self.budget.curve.observe(last[1], began - last[0])
+
+    def end_finished(self, live: Container[str]) -> None:
+        """End the sessions of requests no longer in ``live`` (a container of the runner's request ids)."""
+        for req_id in [r for r in self.requests if r not in live]:
+            req = self.requests.pop(req_id)
+            self.speculator.close(req.req)
+            self.figures.ended += 1
+
+    def release(self) -> None:
+        """The engine's step is done here: what it queued may be sent now."""
+        self.speculator.release()
+
+    def sync_figures(self) -> None:
+        """Copy the speculator's figures into ``figures``."""
+        spec, fig = self.speculator.figures, self.figures
+        fig.prespec_hits, fig.prespec_misses, fig.sync_waits, fig.late_answers = (spec.hits, spec.misses,
+                                                                                  spec.waits, spec.late)
+        fig.round_trip_ms, fig.step_ms = spec.round_trip_seconds * 1e3, spec.step_seconds * 1e3
