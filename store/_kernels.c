@@ -1127,6 +1127,211 @@ static int64_t pick_recent(const Seg *const *segs, int nsegs, Py_ssize_t total, 
     return n;
 }
 
+/* ---- the tail's occurrence lists ------------------------------------------------------------------ */
+
+/* Where each token, and each pair of tokens, occurs among the unindexed tokens after the suffix indexes (the
+ * tail), kept up to date by the lookups themselves: instead of scanning the whole tail on every lookup, a lookup
+ * first indexes what arrived since the last one. Positions [start, end) are covered: every position p there
+ * holding token t >= 0 is in t's list, and in the list of the pair (token at p - 1, t) when p - 1 was still held
+ * and held a token. Lists hold absolute positions, ascending. Searches give exactly what scanning gives. */
+typedef struct {
+    PyObject_HEAD
+    int64_t start, end;   /* positions covered */
+    uint64_t *keys;       /* (slots,) open addressing: a token (< 2**31), or PAIR_BIT | first << 31 | second */
+    int32_t *ids;         /* (slots,) list of each key, -1 for an empty slot */
+    Py_ssize_t slots, used;
+    Vec *lists;           /* (nlists,) occurrence lists; emptied lists keep their memory for reuse */
+    Py_ssize_t nlists, listcap;
+} TailObject;
+
+#define PAIR_BIT ((uint64_t)1 << 63)
+#define TAIL_SLACK 65536 /* stale positions tolerated before the lists are rebuilt from the scan's start */
+
+static inline uint64_t tail_hash(uint64_t k) {
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33;
+    return k;
+}
+
+/* The list of ``key`` (NULL when it has none). */
+static const Vec *tail_find(const TailObject *T, uint64_t key) {
+    if (T->slots == 0) return NULL;
+    Py_ssize_t mask = T->slots - 1, i = (Py_ssize_t)(tail_hash(key) & (uint64_t)mask);
+    while (T->ids[i] >= 0) {
+        if (T->keys[i] == key) return &T->lists[T->ids[i]];
+        i = (i + 1) & mask;
+    }
+    return NULL;
+}
+
+static int tail_grow(TailObject *T) {
+    Py_ssize_t slots = T->slots ? 2 * T->slots : 4096;
+    uint64_t *keys = PyMem_Malloc((size_t)slots * sizeof(uint64_t));
+    int32_t *ids = PyMem_Malloc((size_t)slots * sizeof(int32_t));
+    if (keys == NULL || ids == NULL) {
+        PyMem_Free(keys);
+        PyMem_Free(ids);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(ids, 0xff, (size_t)slots * sizeof(int32_t));
+    for (Py_ssize_t j = 0; j < T->slots; j++) {
+        if (T->ids[j] < 0) continue;
+        Py_ssize_t i = (Py_ssize_t)(tail_hash(T->keys[j]) & (uint64_t)(slots - 1));
+        while (ids[i] >= 0) i = (i + 1) & (slots - 1);
+        keys[i] = T->keys[j];
+        ids[i] = T->ids[j];
+    }
+    PyMem_Free(T->keys);
+    PyMem_Free(T->ids);
+    T->keys = keys;
+    T->ids = ids;
+    T->slots = slots;
+    return 0;
+}
+
+/* Appends ``pos`` to the list of ``key``. */
+static int tail_add(TailObject *T, uint64_t key, int64_t pos) {
+    if (2 * (T->used + 1) > T->slots && tail_grow(T) < 0) return -1;
+    Py_ssize_t mask = T->slots - 1, i = (Py_ssize_t)(tail_hash(key) & (uint64_t)mask);
+    while (T->ids[i] >= 0 && T->keys[i] != key) i = (i + 1) & mask;
+    if (T->ids[i] < 0) {
+        if (T->nlists == T->listcap) {
+            Py_ssize_t cap = T->listcap ? 2 * T->listcap : 1024;
+            Vec *lists = PyMem_Realloc(T->lists, (size_t)cap * sizeof(Vec));
+            if (lists == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            memset(lists + T->listcap, 0, (size_t)(cap - T->listcap) * sizeof(Vec));
+            T->lists = lists;
+            T->listcap = cap;
+        }
+        T->keys[i] = key;
+        T->ids[i] = (int32_t)T->nlists++;
+        T->lists[T->ids[i]].n = 0;
+        T->used++;
+    }
+    return vec_push(&T->lists[T->ids[i]], pos);
+}
+
+/* Empties the lists (keeping their memory) to cover positions from ``from`` on. */
+static void tail_rebase(TailObject *T, int64_t from) {
+    if (T->slots) memset(T->ids, 0xff, (size_t)T->slots * sizeof(int32_t));
+    T->used = 0;
+    T->nlists = 0;
+    T->start = T->end = from;
+}
+
+/* Covers [from, stop) of the ring (from >= oldest): indexes what arrived since the last call, or starts over
+ * from ``from`` when the lists have a gap or hold mostly positions before it. */
+static int tail_sync(TailObject *T, const Ring *r, int64_t oldest, int64_t from, int64_t stop) {
+    if (from < T->start || T->end < from || T->end < oldest || from - T->start > T->end - from + TAIL_SLACK)
+        tail_rebase(T, from);
+    for (int64_t p = T->end; p < stop; p++) {
+        int32_t t = r->d[ring_slot(r, p)];
+        if (t >= 0) {
+            if (tail_add(T, (uint64_t)t, p) < 0) return -1;
+            int32_t prev = p - 1 >= oldest ? r->d[ring_slot(r, p - 1)] : -1;
+            if (prev >= 0 && tail_add(T, PAIR_BIT | (uint64_t)prev << 31 | (uint64_t)t, p) < 0) return -1;
+        }
+        T->end = p + 1;
+    }
+    return 0;
+}
+
+/* First index of list entries >= x. */
+static Py_ssize_t lower_bound(const Vec *v, int64_t x) {
+    Py_ssize_t lo = 0, hi = v->n;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (v->v[mid] < x) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* scan_core over [start, stop) answered from the lists (synced over that range, start >= oldest): the same
+ * match length, counts and occurrences. */
+static int tail_core(const TailObject *T, const Ring *r, int64_t start, int64_t stop, const int64_t *ctx,
+                     Py_ssize_t clen, int64_t limit, int64_t oldest, Seg *out, Vec *lens) {
+    out->m = 0;
+    out->ncounts = 0;
+    out->lazy = 0;
+    out->ends.n = 0;
+    if (stop <= start || clen == 0 || limit <= 0) return 0;
+    const Vec *one = tail_find(T, (uint64_t)ctx[0]);
+    if (one == NULL) return 0;
+    Py_ssize_t a = lower_bound(one, start), b = lower_bound(one, stop);
+    if (a == b) return 0;
+    out->counts[0] = b - a;
+    if (limit >= 2) { /* the occurrences matching two tokens or more are those of the pair */
+        const Vec *two = tail_find(T, PAIR_BIT | (uint64_t)ctx[1] << 31 | (uint64_t)ctx[0]);
+        Py_ssize_t c = two ? lower_bound(two, start > oldest ? start : oldest + 1) : 0, d = two ? lower_bound(two, stop) : 0;
+        if (c < d) {
+            if (vec_reserve(&out->ends, d - c) < 0) return -1;
+            memcpy(out->ends.v, two->v + c, (size_t)(d - c) * sizeof(int64_t));
+            out->ends.n = d - c;
+            out->counts[1] = d - c;
+            int64_t m = extend_core(r, &out->ends, ctx, 2, limit, oldest, out->counts + 2, lens);
+            if (m < 0) return -1;
+            out->m = out->ncounts = m;
+            return 0;
+        }
+    }
+    if (vec_reserve(&out->ends, b - a) < 0) return -1;
+    memcpy(out->ends.v, one->v + a, (size_t)(b - a) * sizeof(int64_t));
+    out->ends.n = b - a;
+    out->m = out->ncounts = 1;
+    return 0;
+}
+
+static void tail_dealloc(TailObject *T) {
+    for (Py_ssize_t i = 0; i < T->listcap; i++) vec_free(&T->lists[i]);
+    PyMem_Free(T->lists);
+    PyMem_Free(T->keys);
+    PyMem_Free(T->ids);
+    Py_TYPE(T)->tp_free((PyObject *)T);
+}
+
+static PyObject *tail_nbytes(TailObject *T, void *closure) {
+    Py_ssize_t n = T->slots * (Py_ssize_t)(sizeof(uint64_t) + sizeof(int32_t)) + T->listcap * (Py_ssize_t)sizeof(Vec);
+    for (Py_ssize_t i = 0; i < T->listcap; i++) n += T->lists[i].cap * (Py_ssize_t)sizeof(int64_t);
+    return PyLong_FromSsize_t(n);
+}
+
+static PyObject *tail_start(TailObject *T, void *closure) { return PyLong_FromLongLong(T->start); }
+static PyObject *tail_end(TailObject *T, void *closure) { return PyLong_FromLongLong(T->end); }
+
+static PyGetSetDef tail_getset[] = {
+    {"nbytes", (getter)tail_nbytes, NULL, "Memory held by the lists.", NULL},
+    {"start", (getter)tail_start, NULL, "First position covered.", NULL},
+    {"end", (getter)tail_end, NULL, "One past the last position covered.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject TailType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "store._kernels.Tail",
+    .tp_basicsize = sizeof(TailObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = PyDoc_STR("Tail(): where each token and pair of tokens occurs in a store's unindexed tail, kept up "
+                        "to date by the store lookups given it (same answers as scanning the tail)."),
+    .tp_getset = tail_getset,
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)tail_dealloc,
+};
+
+/* 1: a Tail or None (*out NULL); 0: anything else. */
+static int tail_arg(PyObject *o, TailObject **out) {
+    *out = NULL;
+    if (o == Py_None) return 1;
+    if (!PyObject_TypeCheck(o, &TailType)) return 0;
+    *out = (TailObject *)o;
+    return 1;
+}
+
 /* ---- whole lookups, for Python and for other extensions -------------------------------------------- */
 
 /* A lookup's answer: what followed the longest match (see TokenStore.lookup). Its arrays live in the
@@ -1208,15 +1413,20 @@ static int lookup_rows(Lookup *L, int64_t m, const int64_t *counts, const Ring *
 /* TokenStore.lookup for a context already reversed into L->mem (clen >= 1 tokens, all in [0, INT32_MAX]).
  * Returns 0 (out->m == 0: nothing matched), 1 for arguments it does not handle, -1 on error. */
 static int store_core(Lookup *L, Py_ssize_t clen, const Ring *r, int64_t oldest, int64_t stop, IndexObject *delta,
-                      IndexObject *main_ix, int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
-                      LookupResult *out) {
+                      IndexObject *main_ix, TailObject *tail, int64_t max_occ, int64_t depth, int64_t max_cand,
+                      int64_t max_exam, LookupResult *out) {
     out->m = 0;
     int64_t *cv = L->mem;
     Seg *segs = L->segs;
     for (int i = 0; i < 3; i++) seg_reset(&segs[i], cv + (i + 1) * clen); /* tail, delta, main */
-    int64_t idx_end = delta ? delta->end : (main_ix ? main_ix->end : 0);
-    if (scan_core(r, idx_end > oldest ? idx_end : oldest, stop, cv, clen, clen, oldest, &segs[0], &L->lens) < 0)
+    int64_t idx_end = delta ? delta->end : (main_ix ? main_ix->end : 0), from = idx_end > oldest ? idx_end : oldest;
+    if (tail && from < stop) {
+        if (tail_sync(tail, r, oldest, from, stop) < 0 ||
+            tail_core(tail, r, from, stop, cv, clen, clen, oldest, &segs[0], &L->lens) < 0)
+            return -1;
+    } else if (scan_core(r, from, stop, cv, clen, clen, oldest, &segs[0], &L->lens) < 0) {
         return -1;
+    }
     if (delta && index_core(delta, cv, clen, clen, r, oldest, max_cand, &segs[1], &L->lens) < 0) return -1;
     if (main_ix && index_core(main_ix, cv, clen, clen, r, oldest, max_cand, &segs[2], &L->lens) < 0) return -1;
     int64_t m = 0;
@@ -1306,12 +1516,15 @@ static PyObject *lookup_tuple(const LookupResult *res) {
 
 PyDoc_STRVAR(store_lookup_doc,
 "store_lookup(context, ring_data, oldest, stop, delta, main, max_match, max_occurrences, depth, "
-"max_candidates, max_examined) -> (m, counts, rows) | None | NotImplemented\n\n"
-"Native TokenStore.lookup: None when nothing matched; delta and main are Index handles or None.");
+"max_candidates, max_examined, tail=None) -> (m, counts, rows) | None | NotImplemented\n\n"
+"Native TokenStore.lookup: None when nothing matched; delta and main are Index handles or None; tail, a Tail\n"
+"(brought up to date first) that answers for the unindexed tokens instead of a scan.");
 
 static PyObject *py_store_lookup(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11) return not_implemented();
+    if (nargs != 11 && nargs != 12) return not_implemented();
     IndexObject *delta, *main_ix;
+    TailObject *tail = NULL;
+    if (nargs == 12 && !tail_arg(args[11], &tail)) return not_implemented();
     int64_t oldest, stop, max_match, max_occ, depth, max_cand, max_exam;
     if (!get_i64(args[2], &oldest) || !get_i64(args[3], &stop) || !index_arg(args[4], &delta) ||
         !index_arg(args[5], &main_ix) || !get_i64(args[6], &max_match) || !get_i64(args[7], &max_occ) ||
@@ -1340,7 +1553,7 @@ static PyObject *py_store_lookup(PyObject *mod, PyObject *const *args, Py_ssize_
     Ring r = {(const int32_t *)ring.view.buf, ring.n, 0};
     ring_set_base(&r, oldest);
     LookupResult found;
-    int rc = store_core(L, clen, &r, oldest, stop, delta, main_ix, max_occ, depth, max_cand, max_exam, &found);
+    int rc = store_core(L, clen, &r, oldest, stop, delta, main_ix, tail, max_occ, depth, max_cand, max_exam, &found);
     if (rc >= 0) res = rc ? not_implemented() : lookup_tuple(&found);
 done:
     int_release(&ring);
@@ -1386,11 +1599,12 @@ typedef struct {
     size_t size;  /* sizeof(KernelsCAPI): a caller built against another layout must not use it */
     Lookup *(*lookup_new)(void);
     void (*lookup_free)(Lookup *L);
-    /* TokenStore.lookup of context[:n] over ring[0, cap) (slots of absolute positions [oldest, stop)) and the
-     * delta and main Index handles (or None). */
+    /* TokenStore.lookup of context[:n] over ring[0, cap) (slots of absolute positions [oldest, stop)), the
+     * delta and main Index handles and the Tail (each may be None). */
     int (*store_lookup)(Lookup *L, const int32_t *context, Py_ssize_t n, const int32_t *ring, Py_ssize_t cap,
-                        int64_t oldest, int64_t stop, PyObject *delta, PyObject *main_ix, int64_t max_match,
-                        int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam, LookupResult *out);
+                        int64_t oldest, int64_t stop, PyObject *delta, PyObject *main_ix, PyObject *tail,
+                        int64_t max_match, int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
+                        LookupResult *out);
     /* DraftSession.lookup over tokens[:n] (the session's buffer holds cap >= n tokens). */
     int (*session_lookup)(Lookup *L, const int32_t *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
                           int64_t max_occ, int64_t depth, LookupResult *out);
@@ -1409,12 +1623,13 @@ static void capi_lookup_free(Lookup *L) {
 }
 
 static int capi_store_lookup(Lookup *L, const int32_t *context, Py_ssize_t n, const int32_t *ring, Py_ssize_t cap,
-                             int64_t oldest, int64_t stop, PyObject *delta_o, PyObject *main_o, int64_t max_match,
-                             int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
+                             int64_t oldest, int64_t stop, PyObject *delta_o, PyObject *main_o, PyObject *tail_o,
+                             int64_t max_match, int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
                              LookupResult *out) {
     out->m = 0;
     IndexObject *delta, *main_ix;
-    if (!index_arg(delta_o, &delta) || !index_arg(main_o, &main_ix) || cap < 1) return 1;
+    TailObject *tail;
+    if (!index_arg(delta_o, &delta) || !index_arg(main_o, &main_ix) || !tail_arg(tail_o, &tail) || cap < 1) return 1;
     if (max_match < 1 || max_occ < 1 || max_cand < 1 || max_exam < 1 || depth > (int64_t)1 << 30) return 1;
     if (depth < 0) depth = 0;
     Py_ssize_t clen = n > max_match ? (Py_ssize_t)max_match : n;
@@ -1427,7 +1642,7 @@ static int capi_store_lookup(Lookup *L, const int32_t *context, Py_ssize_t n, co
     }
     Ring r = {ring, cap, 0};
     ring_set_base(&r, oldest);
-    return store_core(L, clen, &r, oldest, stop, delta, main_ix, max_occ, depth, max_cand, max_exam, out);
+    return store_core(L, clen, &r, oldest, stop, delta, main_ix, tail, max_occ, depth, max_cand, max_exam, out);
 }
 
 static int capi_session_lookup(Lookup *L, const int32_t *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
@@ -1503,7 +1718,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     dtype_i32 = PyObject_CallFunction(dtype, "s", "int32");
     Py_DECREF(dtype);
     if (dtype_i64 == NULL || dtype_i32 == NULL) return NULL;
-    if (PyType_Ready(&IndexType) < 0) return NULL;
+    if (PyType_Ready(&IndexType) < 0 || PyType_Ready(&TailType) < 0) return NULL;
 #if HAVE_X86_TARGETS
     __builtin_cpu_init();
 #endif
@@ -1514,6 +1729,12 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     Py_INCREF(&IndexType);
     if (PyModule_AddObject(m, "Index", (PyObject *)&IndexType) < 0) {
         Py_DECREF(&IndexType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&TailType);
+    if (PyModule_AddObject(m, "Tail", (PyObject *)&TailType) < 0) {
+        Py_DECREF(&TailType);
         Py_DECREF(m);
         return NULL;
     }

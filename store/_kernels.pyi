@@ -20,6 +20,21 @@ class Index:
     def nbytes(self) -> int:
         """Memory held beyond the index's own arrays (the bucket table)."""
 
+@final
+class Tail:
+    """Where each token and pair of tokens occurs in a store's unindexed tail, kept up to date by the store
+    lookups given it (their answers are those of scanning the tail)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the occurrence lists."""
+    @property
+    def start(self) -> int:
+        """First position covered."""
+    @property
+    def end(self) -> int:
+        """One past the last position covered."""
+
 def simd(name: str | None = None, /) -> str: ...
 def scan_matches(ring_data: np.ndarray, start: int, stop: int, context_rev: np.ndarray, limit: int, oldest: int,
                  /) -> _Matches | NotImplementedType: ...
@@ -31,6 +46,7 @@ def index_match(index: Index, context_rev: np.ndarray, ring_data: np.ndarray, ol
                 max_candidates: int, /) -> _Matches | NotImplementedType: ...
 def store_lookup(context: np.ndarray, ring_data: np.ndarray, oldest: int, stop: int, delta: Index | None,
                  main: Index | None, max_match: int, max_occurrences: int, depth: int, max_candidates: int,
-                 max_examined: int, /) -> tuple[int, np.ndarray, np.ndarray] | None | NotImplementedType: ...
+                 max_examined: int, tail: Tail | None = None, /,
+                 ) -> tuple[int, np.ndarray, np.ndarray] | None | NotImplementedType: ...
 def session_lookup(tokens: np.ndarray, n: int, max_match: int, max_occurrences: int, depth: int,
                    /) -> tuple[int, np.ndarray, np.ndarray] | None | NotImplementedType: ...

@@ -70,7 +70,8 @@ class TokenStore:
     """Ring buffer of completed requests with a two-level suffix index and a scanned tail.
 
     The main index covers most of the buffer and is rebuilt rarely; the delta index covers what arrived
-    since, and is rebuilt often because it is small; the few tokens after the delta are scanned. All
+    since, and is rebuilt often because it is small; the tokens after the delta are scanned (the native lookups
+    keep occurrence lists of them instead, brought up to date on each lookup: ``_kernels.Tail``). All
     three are searched on every lookup, so a request ingested a moment ago already helps. Rebuilds run
     wherever the caller runs ``rebuild`` (a background job) and are swapped in atomically.
     """
@@ -95,6 +96,8 @@ class TokenStore:
         self._indexes = _Indexes(None, None)
         self._rebuild_lock = threading.Lock()
         self.builder: Callable[[np.ndarray], tuple] | None = None  # e.g. IndexWorker.build_arrays
+        # where tokens and token pairs occur after the indexes, brought up to date by the native lookups
+        self._tail = match_kernels.compiled.Tail() if match_kernels.compiled is not None else None
 
     def _index(self, tokens: np.ndarray, start: int) -> SuffixIndex:
         arrays = self.builder(tokens) if self.builder is not None else None
@@ -177,7 +180,7 @@ class TokenStore:
             if handles is not None:  # the raw slots: ring.view() would cost a new array per call
                 found = native.store_lookup(context, ring._data, ring.oldest, ring.end, handles[0], handles[1],
                                             max_match, max_occurrences, depth, self.max_candidates,
-                                            self.max_examined)
+                                            self.max_examined, self._tail)
                 if found is None:
                     return EMPTY
                 if found is not NotImplemented:
@@ -194,7 +197,7 @@ class TokenStore:
             return None
         ring = self.ring
         return native.store_lookup, (ring._data, ring.oldest, ring.end, handles[0], handles[1], self.max_candidates,
-                                     self.max_examined)
+                                     self.max_examined, self._tail)
 
     def lookup_numpy(self, context: Sequence[int] | np.ndarray, max_match: int = 32, max_occurrences: int = 32,
                      depth: int = 16) -> Continuations:
@@ -239,7 +242,7 @@ class TokenStore:
             "indexed_tokens": sum(len(s) for s in (idx.main, idx.delta) if s is not None),
             "unindexed_tokens": self.unindexed,
             "ring_bytes": self.ring.nbytes,
-            "index_bytes": index_bytes,
+            "index_bytes": index_bytes + (self._tail.nbytes if self._tail is not None else 0),
         }
 
     def check_invariants(self) -> None:

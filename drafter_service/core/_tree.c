@@ -190,8 +190,9 @@ typedef struct {
     Lookup *(*lookup_new)(void);
     void (*lookup_free)(Lookup *L);
     int (*store_lookup)(Lookup *L, const int *context, Py_ssize_t n, const int *ring, Py_ssize_t cap,
-                        int64_t oldest, int64_t stop, PyObject *delta, PyObject *main_ix, int64_t max_match,
-                        int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam, LookupResult *out);
+                        int64_t oldest, int64_t stop, PyObject *delta, PyObject *main_ix, PyObject *tail,
+                        int64_t max_match, int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
+                        LookupResult *out);
     int (*session_lookup)(Lookup *L, const int *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
                           int64_t max_occ, int64_t depth, LookupResult *out);
 } KernelsCAPI;
@@ -879,7 +880,7 @@ typedef struct {
     int session, store;            /* which go native */
     Py_buffer ring;                /* the store's ring buffer slots, int32 */
     int64_t oldest, end, candidates, examined;
-    PyObject *delta, *main_ix;     /* borrowed from the store arguments */
+    PyObject *delta, *main_ix, *tail;  /* borrowed from the store arguments */
 } NativeLookups;
 
 static void native_lookups_free(NativeLookups *nl) {
@@ -909,6 +910,7 @@ static int native_lookups(NativeLookups *nl, PyObject *session_fn, PyObject *sto
             else nl->store = 1;
             nl->delta = PyTuple_GET_ITEM(store_args, 3);
             nl->main_ix = PyTuple_GET_ITEM(store_args, 4);
+            nl->tail = PyTuple_GET_ITEM(store_args, 7);
         }
     }
     for (int i = 0; i < 2 && (nl->session || nl->store); i++)
@@ -924,8 +926,8 @@ static int native_lookup(NativeLookups *nl, int kind, const int *tok, Py_ssize_t
         return kernels_api->session_lookup(nl->lookup[0], tok, cap, n, max_match, max_occ, max_depth, out);
     if (kind == 1 && nl->store)
         return kernels_api->store_lookup(nl->lookup[1], tok, n, (const int *)nl->ring.buf, nl->ring.len / 4,
-                                         nl->oldest, nl->end, nl->delta, nl->main_ix, max_match, max_occ, max_depth,
-                                         nl->candidates, nl->examined, out);
+                                         nl->oldest, nl->end, nl->delta, nl->main_ix, nl->tail, max_match, max_occ,
+                                         max_depth, nl->candidates, nl->examined, out);
     return 1;
 }
 
@@ -960,9 +962,9 @@ static PyObject *steps(PyObject *self, PyObject *args) {
     if (session_fn == Py_None) session_fn = NULL;
     if (store_fn == Py_None) store_fn = NULL;
     if (dynamic == Py_None) dynamic = NULL;
-    if (store_fn && (!PyTuple_Check(store_args) || PyTuple_GET_SIZE(store_args) != 7)) {
+    if (store_fn && (!PyTuple_Check(store_args) || PyTuple_GET_SIZE(store_args) != 8)) {
         PyErr_SetString(PyExc_TypeError, "store arguments must be (ring, oldest, end, delta, main, candidates, "
-                        "examined)");
+                        "examined, tail)");
         return NULL;
     }
     Builder B;
@@ -1091,11 +1093,12 @@ static PyObject *steps(PyObject *self, PyObject *args) {
                         PyObject *sargs[5] = {buf, n_o, m_o, occ_o, dep_o};
                         ok = match_rows(session_fn, sargs, 5, fallback, 0, view, &ml[0], &rows_o[0]) == 0;
                     } else {
-                        PyObject *sargs[11] = {view, PyTuple_GET_ITEM(store_args, 0), PyTuple_GET_ITEM(store_args, 1),
+                        PyObject *sargs[12] = {view, PyTuple_GET_ITEM(store_args, 0), PyTuple_GET_ITEM(store_args, 1),
                                                PyTuple_GET_ITEM(store_args, 2), PyTuple_GET_ITEM(store_args, 3),
                                                PyTuple_GET_ITEM(store_args, 4), m_o, occ_o, dep_o,
-                                               PyTuple_GET_ITEM(store_args, 5), PyTuple_GET_ITEM(store_args, 6)};
-                        ok = match_rows(store_fn, sargs, 11, fallback, 1, view, &ml[1], &rows_o[1]) == 0;
+                                               PyTuple_GET_ITEM(store_args, 5), PyTuple_GET_ITEM(store_args, 6),
+                                               PyTuple_GET_ITEM(store_args, 7)};
+                        ok = match_rows(store_fn, sargs, 12, fallback, 1, view, &ml[1], &rows_o[1]) == 0;
                     }
                 }
             }

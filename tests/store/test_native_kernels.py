@@ -406,3 +406,61 @@ def test_index_handle_keeps_its_arrays_alive_and_reports_its_memory() -> None:
     del main, store, copy
     gc.collect()
     assert_same_triple(KERNELS.index_match(handle, ctx_rev, ring, 0, 8, 4096), want)
+
+
+def _scanned(store: TokenStore, ctx: np.ndarray, max_match: int, max_occurrences: int, depth: int):
+    """The native lookup scanning the unindexed tail (no Tail given)."""
+    ring, handles = store.ring, store._indexes.native
+    return KERNELS.store_lookup(ctx, ring._data, ring.oldest, ring.end, handles[0], handles[1], max_match,
+                                max_occurrences, depth, store.max_candidates, store.max_examined, None)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tail_lists_answer_as_the_scan_as_tokens_arrive(seed: int) -> None:
+    """A lookup between every append: the Tail catches up on what arrived, starts over after rebuilds and
+    wraps, and answers exactly as scanning the tail and as numpy."""
+    rng = np.random.default_rng(seed)
+    store = TokenStore(capacity=(900, 5000)[seed], tail_tokens=1 << 30, max_examined=(1024, 6)[seed])
+    _fill(store, rng, 10, 3)
+    store.rebuild("main")
+    for step in range(300):
+        _fill(store, rng, 1, (3, 5)[seed])
+        if step % 70 == 69:
+            store.rebuild("delta" if step % 140 == 69 else "main")
+        held = store.ring.read(store.ring.oldest, store.ring.end)
+        cut = int(rng.integers(1, held.size))
+        ctx = held[max(0, cut - int(rng.integers(1, 12))):cut]
+        ctx = ctx[ctx >= 0]
+        if not ctx.size:
+            continue
+        args = (int(rng.integers(1, 12)), int(rng.integers(1, 40)), int(rng.integers(0, 8)))
+        got = store.lookup(ctx, *args)
+        scanned = _scanned(store, ctx, *args)
+        assert scanned is not NotImplemented
+        assert_same(got, Continuations(*scanned) if scanned is not None else Continuations(0, np.zeros(0, np.int64),
+                                                                                         np.zeros((0, 0), np.int32)))
+        with numpy_only():
+            assert_same(got, store.lookup(ctx, *args))
+    tail = store._tail
+    assert tail is not None and tail.start <= max(store.indexed_end, store.ring.oldest) and tail.end == store.ring.end
+
+
+def test_tail_lists_start_over_when_mostly_stale() -> None:
+    """After a rebuild swallows a long tail, the lists are rebuilt from the new tail instead of growing."""
+    rng = np.random.default_rng(3)
+    store = TokenStore(capacity=1 << 18, tail_tokens=1 << 30)
+    _fill(store, rng, 20, 4)
+    store.rebuild("main")
+    while store.unindexed < 100_000:
+        store.append(rng.integers(0, 50, 1000))
+    ctx = store.ring.read(store.ring.end - 6, store.ring.end - 1)
+    first = store.lookup(ctx, 8, 8, 4)
+    tail = store._tail
+    assert tail is not None and tail.end - tail.start >= 100_000
+    store.rebuild("delta")
+    store.append(rng.integers(0, 50, 300))
+    got = store.lookup(ctx, 8, 8, 4)
+    assert tail.start == store.indexed_end and tail.end == store.ring.end
+    with numpy_only():
+        assert_same(got, store.lookup(ctx, 8, 8, 4))
+    assert first.match_len >= 1
