@@ -65,7 +65,7 @@ class MethodRun:
     proposer_ms: float | None  # drafter's time inside propose per engine step
     outputs: list[list[int]] = field(default_factory=list, repr=False)
     prespec_hit_rate: float | None = None  # drafter: rows drafted from the pre-speculated tree / rows with a context
-    sync_waits: int | None = None  # drafter: steps that waited for the service
+    sync_waits: float | None = None  # drafter: share of the engine steps that waited for the service
 
     @property
     def tokens_per_step(self) -> float:
@@ -125,7 +125,7 @@ def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[
                                 _delta(measured, warmed, "vllm:spec_decode_num_accepted_tokens"), measured.seconds,
                                 reference is None or measured.outputs == reference[dataset], proposer_ms,
                                 measured.outputs, hits / (hits + misses) if hits + misses else None,
-                                int(waits) if service is not None else None)
+                                waits / steps if service is not None and steps else None)
                 runs.append(run)
                 _progress(f"{method} on {dataset}: {run.tokens_per_step:.2f} tokens/step, {run.tokens_per_s:.1f} "
                           f"tokens/s ({time.perf_counter() - t0:.0f} s with the warm-up)")
@@ -153,13 +153,13 @@ def format_runs(runs: list[MethodRun], args: argparse.Namespace) -> str:
         by = {r.method: r for r in rows}
         lines += [f"**{dataset}**", "",
                   "| method | drafts | draft tokens | accepted | tokens/step | vs suffix | vs ngram | tokens/s | "
-                  "proposer ms/step | pre-spec hit rate | sync waits | same output |",
+                  "proposer ms/step | pre-spec hit rate | sync waits/step | same output |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             vs = [f"{r.tokens_per_step / by[m].tokens_per_step:.2f}x" if m in by else "-" for m in ("suffix", "ngram")]
             ms = f"{r.proposer_ms:.2f}" if r.proposer_ms is not None else "-"
             hit = f"{r.prespec_hit_rate:.1%}" if r.prespec_hit_rate is not None else "-"
-            waits = str(r.sync_waits) if r.sync_waits is not None else "-"
+            waits = f"{r.sync_waits:.2f}" if r.sync_waits is not None else "-"
             lines.append(f"| {r.method} | {r.drafts} | {r.draft_tokens} | {r.accepted} | {r.tokens_per_step:.3f} | "
                          f"{vs[0]} | {vs[1]} | {r.tokens_per_s:.1f} | {ms} | {hit} | {waits} | "
                          f"{'yes' if r.identical else 'NO'} |")
