@@ -150,17 +150,19 @@ class DrafterClient(LocalFigures):
         service_max_nodes: the service's ``max_nodes_limit`` (learnt from its refusals when lower).
         security: TLS and bearer token (``ClientSecurity``; None: plaintext without a token). A token the
             service refuses raises ``DrafterRequestError`` (UNAUTHENTICATED or PERMISSION_DENIED).
+        fixed_budget: ask the service to keep every tree at the budget asked for (not shrunk while a session's
+            drafts are rarely accepted): what pre-speculation, which cuts later steps' chains from the trees, needs.
     """
 
     def __init__(self, address: str, namespace: str = "", timeout: float = 0.5, max_nodes: int = 32,
                  reuse: bool = True, reuse_factor: int = 4, min_reuse_nodes: int = 0, connect_timeout: float = 1.0,
                  call_timeout: float = 5.0, initial_backoff: float = 0.1, max_backoff: float = 5.0,
                  max_buffered: int = 1000, service_max_nodes: int = 1024,
-                 security: ClientSecurity | None = None) -> None:
+                 security: ClientSecurity | None = None, fixed_budget: bool = False) -> None:
         if timeout <= 0 or call_timeout <= 0:
             raise ValueError(f"timeouts must be positive, got {timeout} and {call_timeout}")
         self.address, self.namespace, self.timeout, self.call_timeout = address, namespace, timeout, call_timeout
-        self._book = SessionBook(max_nodes, reuse, reuse_factor, min_reuse_nodes, service_max_nodes)
+        self._book = SessionBook(max_nodes, reuse, reuse_factor, min_reuse_nodes, service_max_nodes, fixed_budget)
         self._buffer = IngestBuffer(self._book.stats, max_buffered)
         self._backoff = Backoff(address, initial_backoff, max_backoff)
         self._channel = (security or PLAINTEXT).channel(address, options=channel_options(max_backoff))

@@ -176,11 +176,12 @@ class SessionBook:
     """
 
     def __init__(self, max_nodes: int = 32, reuse: bool = True, reuse_factor: int = 4, min_reuse_nodes: int = 0,
-                 service_max_nodes: int = 1024) -> None:
+                 service_max_nodes: int = 1024, fixed_budget: bool = False) -> None:
         if min(max_nodes, reuse_factor, service_max_nodes) < 1 or min_reuse_nodes < 0:
             raise ValueError("max_nodes, reuse_factor and service_max_nodes must be at least 1, min_reuse_nodes >= 0")
         self.max_nodes, self.reuse, self.reuse_factor = max_nodes, reuse, reuse_factor
         self.min_reuse_nodes, self.limit = min_reuse_nodes, service_max_nodes
+        self.fixed_budget = fixed_budget  # sessions ask the service not to shrink their trees
         self.vocab_size: int | None = None
         self.stats = ClientStats()
         self._sessions: dict[str, SessionState] = {}
@@ -299,8 +300,8 @@ class SessionBook:
                 state.generation += 1
             state.remote_id = state.local_id if not state.generation else f"{state.local_id}~{state.generation}"
             n = len(state.tokens)
-            return pb.StartSessionRequest(namespace=namespace, session_id=state.remote_id,
-                                          prompt=state.tokens[:n]), n, reopened
+            return pb.StartSessionRequest(namespace=namespace, session_id=state.remote_id, prompt=state.tokens[:n],
+                                          fixed_budget=self.fixed_budget), n, reopened
 
     def open_refused(self, state: SessionState, code: str) -> None:
         """A StartSession sent beside drafts (in a batch) was refused: the service does not hold the session."""

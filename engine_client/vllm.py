@@ -235,7 +235,7 @@ class DrafterProposer:
         s = self.settings
         try:
             client = DrafterClient(s.address, s.namespace, timeout=s.timeout, reuse=False,
-                                   max_nodes=s.tree_nodes(self.k), security=s.security)
+                                   max_nodes=s.tree_nodes(self.k), security=s.security, fixed_budget=True)
         except Exception:
             logger.exception("drafter: could not set up a client for %s; no drafts", s.address)
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -107,8 +108,10 @@ class Drafter:
 
     # -- session lifecycle -----------------------------------------------------------------------------
 
-    def start(self, session_id: str, prompt: Sequence[int] | np.ndarray, max_nodes: int = 0) -> DraftSession:
-        """Open a session for a request; its prompt also teaches the dynamic table.
+    def start(self, session_id: str, prompt: Sequence[int] | np.ndarray, max_nodes: int = 0,
+              fixed_budget: bool = False) -> DraftSession:
+        """Open a session for a request; its prompt also teaches the dynamic table. With ``fixed_budget`` its
+        trees keep the budget asked for (the policy's adaptation is off for it).
 
         Raises:
             AlreadyExists: when ``session_id`` is live.
@@ -120,7 +123,8 @@ class Drafter:
         with self._sessions_lock:
             if session_id in self.sessions:
                 raise AlreadyExists(f"session {session_id!r} already exists")
-            sess = DraftSession(session_id, ids, max_nodes or self.config.max_nodes, self.model, self.policy)
+            policy = replace(self.policy, adaptive=False) if fixed_budget else self.policy
+            sess = DraftSession(session_id, ids, max_nodes or self.config.max_nodes, self.model, policy)
             self.sessions[session_id] = sess
         if self.config.use_repeat:
             sess.repeat = self.repeats.lookup(ids)

@@ -35,6 +35,11 @@ class BudgetPolicy:
         return max(min(self.min_nodes, limit), min(limit, wanted))
 
 
+FULL_BUDGET_EMA = 1e9
+"""What a session whose budget is fixed shows the batched step as its averaged accepted tokens: ``BudgetPolicy``
+with any ``min_nodes`` >= 1 then wants more nodes than any limit."""
+
+
 @dataclass(frozen=True)
 class Confirmation:
     """What the tokens a step appended confirmed of the last draft served.
@@ -158,12 +163,17 @@ class DraftSession:
         if len(self._last_tree) and self._last_evidence is not None:
             self._last_packed = pack_draft(self._last_tree, self._last_evidence)
             self._last_tree, self._last_evidence = EMPTY_TREE, None
-        return self._len, self._last_packed, self._ema_accepted
+        # a fixed budget shows the batch an average so high that adapting it keeps the whole limit
+        return self._len, self._last_packed, self._ema_accepted if self.policy.adaptive else FULL_BUDGET_EMA
 
     def stepped(self, length: int, packed: bytes | None, ema_accepted: float, scored: int, confirmed: int) -> None:
         """Take in what the batched step did: the new length, the draft it left to score (``packed``), the new
         average, and the nodes of the last draft it scored (0: none) with how many of them were confirmed."""
-        self._len, self._last_packed, self._ema_accepted = length, packed, ema_accepted
+        self._len, self._last_packed = length, packed
+        if self.policy.adaptive:
+            self._ema_accepted = ema_accepted
+        elif scored:
+            self._ema_accepted += 0.25 * (confirmed - self._ema_accepted)
         if scored:
             self.steps += 1
             self.drafted += scored

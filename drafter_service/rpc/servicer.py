@@ -109,7 +109,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     def StartSession(self, request: pb.StartSessionRequest, context: grpc.ServicerContext) -> pb.StartSessionResponse:
         ns = self.service.start_session(request.namespace, request.session_id, list(request.prompt),
-                                        request.max_nodes, caller=self._caller(context))
+                                        request.max_nodes, caller=self._caller(context),
+                                        fixed_budget=request.fixed_budget)
         return pb.StartSessionResponse(session_id=request.session_id, namespace=ns.name)
 
     def Draft(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftResponse:
@@ -142,7 +143,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def _batch(self, request: pb.DraftBatchRequest, caller: Caller) -> pb.DraftBatchResponse:
         steps, bounds = batch_steps(request)
         outcome = self.service.draft_batch(
-            [(s.namespace, s.session_id, s.prompt, s.max_nodes) for s in request.start], steps,
+            [(s.namespace, s.session_id, s.prompt, s.max_nodes, s.fixed_budget) for s in request.start], steps,
             [(e.session_id, e.accepted) for e in request.end],
             request.max_nodes, request.step_seconds, request.plain_step_seconds, caller=caller,
             accepted_bounds=bounds)

@@ -10,8 +10,8 @@ import numpy as np
 
 from drafter_service.api.tree import EMPTY_TREE, DraftTree, TokenIds
 
-BatchStart = tuple[str, str, TokenIds, int]
-"""(namespace, session id, prompt, max_nodes) of a session to open, as StartSession takes them."""
+BatchStart = tuple[str, str, TokenIds, int, bool]
+"""(namespace, session id, prompt, max_nodes, fixed_budget) of a session to open, as StartSession takes them."""
 BatchStep = tuple[str, TokenIds, int, bool]
 """(session id, accepted, max_nodes, report_only) of one session's step, as Draft takes them."""
 BatchEnd = tuple[str, TokenIds]

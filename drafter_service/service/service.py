@@ -144,14 +144,16 @@ class DrafterService:
     # -- the API --------------------------------------------------------------------------------------
 
     def start_session(self, namespace: str, session_id: str, prompt: TokenIds, max_nodes: int = 0,
-                      caller: Caller | None = None) -> Namespace:
-        """Open a session in a namespace; its id is unique among the live sessions of the caller's scope."""
+                      caller: Caller | None = None, fixed_budget: bool = False) -> Namespace:
+        """Open a session in a namespace; its id is unique among the live sessions of the caller's scope.
+        ``fixed_budget``: its trees keep the budget asked for (not shrunk while its drafts are rarely accepted)."""
         ns = self.namespace(namespace, caller)  # callers without rights learn nothing more
         if not session_id or len(session_id) > 256 or "\x00" in session_id:
             raise InvalidArgument("session_id must be 1 to 256 characters, without NUL")
         self._check_tokens(prompt, "prompt")
         self._check_budget(max_nodes)
-        self.sessions.open(caller or TRUSTED, session_id, ns, lambda key: ns.drafter.start(key, prompt, max_nodes))
+        self.sessions.open(caller or TRUSTED, session_id, ns,
+                           lambda key: ns.drafter.start(key, prompt, max_nodes, fixed_budget))
         return ns
 
     def draft(self, session_id: str, accepted: TokenIds, max_nodes: int = 0, report_only: bool = False,
@@ -212,9 +214,9 @@ class DrafterService:
         self._check_step_times(step_seconds, plain_step_seconds)
         who = caller or TRUSTED
         out = BatchOutcome()
-        for i, (namespace, session_id, prompt, budget) in enumerate(starts):
+        for i, (namespace, session_id, prompt, budget, fixed) in enumerate(starts):
             try:
-                self.start_session(namespace, session_id, prompt, budget, caller=who)
+                self.start_session(namespace, session_id, prompt, budget, caller=who, fixed_budget=fixed)
             except Exception as exc:  # this item alone fails; the caller reports it
                 out.start_errors.append((i, exc))
         self._batch_steps(steps, max_nodes, step_seconds, plain_step_seconds, who, out, accepted_bounds)

@@ -159,3 +159,25 @@ def test_the_asyncio_client_batches_like_the_sync_one(two_addresses):
         client.ingest(history)
         assert got == run_engine(client, requests, batched=True)
     assert sum(len(t) for step in got for t in step) > 0
+
+
+def test_a_fixed_budget_keeps_trees_whole_where_the_adaptive_budget_shrinks_them():
+    server, address = serve()
+    try:
+        rng = np.random.default_rng(7)
+        head = [1, 2, 3, 4, 5, 6]
+        stored = [(head, [int(t) for t in rng.integers(10, 250, 40)]) for _ in range(40)]  # 40 ways on from head
+        sizes = {}
+        for fixed in (False, True):
+            with DrafterClient(address, reuse=False, max_nodes=32, fixed_budget=fixed) as client:
+                client.ingest(stored)
+                single, batched = client.start([99, *head]), client.start([98, *head])  # not a stored prompt
+                for step in range(12):  # every draft rejected: a token never seen, then the head again
+                    again = [] if step == 0 else [260 + step, *head]
+                    tree_single = client.draft(single, again, 24)
+                    tree_batched = client.draft_batch([(batched, again)], 24)[0]
+                sizes[fixed] = (len(tree_single), len(tree_batched))
+        assert sizes[True] == (24, 24)  # the budget asked for, on the single and the batched path
+        assert max(sizes[False]) <= 12  # shrunk after eleven drafts that confirmed nothing
+    finally:
+        server.stop(0)

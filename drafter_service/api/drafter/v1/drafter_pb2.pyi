@@ -26,16 +26,18 @@ SOURCE_MODEL: Source
 SOURCE_REPEAT: Source
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("namespace", "session_id", "prompt", "max_nodes")
+    __slots__ = ("namespace", "session_id", "prompt", "max_nodes", "fixed_budget")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    FIXED_BUDGET_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     session_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     max_nodes: int
-    def __init__(self, namespace: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+    fixed_budget: bool
+    def __init__(self, namespace: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., fixed_budget: _Optional[bool] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
     __slots__ = ("session_id", "namespace")
