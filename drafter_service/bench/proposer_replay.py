@@ -8,6 +8,7 @@ and proposers; tests hand it ``SimpleInputBatch``, which keeps rows the same way
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -17,10 +18,16 @@ import numpy as np
 
 from drafter_service.datasets.request_files import Request
 
-__all__ = ["BenchRunner", "ReplayRun", "SimpleInputBatch", "StepLoop", "greedy_accept", "simple_state"]
+__all__ = ["FIGURES", "BenchRunner", "ReplayRun", "SimpleInputBatch", "StepLoop", "close_proposer", "greedy_accept",
+           "proposer_figures", "simple_state"]
 
 #: How each kind of proposer is called (vLLM 0.32's ``GPUModelRunner.propose_draft_token_ids``).
 PROPOSER_KINDS = ("custom_class", "ngram", "suffix")
+
+#: DrafterProposer's step figures a run reports (differences over the timed steps). Fields a proposer does not
+#: have (one from before pre-speculation) read as 0.
+FIGURES = ("steps", "rows", "drafted_rows", "draft_tokens", "seconds", "failures", "prespec_hits", "prespec_misses",
+           "sync_waits", "late_answers")
 
 
 def greedy_accept(chain: Sequence[int], expected: Sequence[int]) -> int:
@@ -306,3 +313,30 @@ class StepLoop:
             if not self.step(run):
                 break
         return run
+
+
+def proposer_figures(proposer: Any) -> dict[str, float]:
+    """DrafterProposer's ``FIGURES`` now (all 0 before it connects)."""
+    tracker = getattr(proposer, "_tracker", None)
+    if tracker is not None and hasattr(tracker, "sync_figures"):
+        tracker.sync_figures()  # pre-speculation's counts join the figures when they are written
+    figures = vars(tracker.figures) if tracker is not None else {}
+    return {name: float(figures.get(name, 0)) for name in FIGURES}
+
+
+def close_proposer(proposer: Any) -> None:
+    """Stop a DrafterProposer's threads and channel, so that nothing of it runs during later runs (best effort:
+    whichever of these the proposer has)."""
+    closing = getattr(proposer, "_closing", None)
+    if closing is not None:
+        closing.set()
+    tracker = getattr(proposer, "_tracker", None)
+    speculator = getattr(tracker, "speculator", None)
+    calls = [getattr(proposer, "close", None), getattr(speculator, "close_all", None),
+             getattr(getattr(tracker, "client", None), "close", None)]
+    for call in calls:
+        if callable(call):
+            try:
+                call()
+            except Exception:  # a proposer that fails to close does not fail the benchmark
+                traceback.print_exc()

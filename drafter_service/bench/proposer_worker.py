@@ -27,13 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from drafter_service.bench.proposer_replay import BenchRunner, StepLoop
+from drafter_service.bench.proposer_replay import FIGURES, BenchRunner, StepLoop, close_proposer, proposer_figures
 from drafter_service.bench.vllm_engine import RESULT, speculative_config
 from drafter_service.datasets.request_files import Request, read_requests
-
-#: The proposer's figures reported per run (differences over the timed steps; absent fields read as 0).
-FIGURES = ("steps", "rows", "drafted_rows", "draft_tokens", "seconds", "failures", "prespec_hits", "prespec_misses",
-           "sync_waits", "late_answers")
 
 #: Vocabulary of the service's namespace (``ServiceProcess``) and of SmolLM2, whose tokens the data sets hold.
 VOCAB_SIZE = 49152
@@ -109,33 +105,6 @@ def build_proposer(method: str, config: SimpleNamespace, warm: Sequence[Request]
     return DrafterProposer(config), "custom_class"
 
 
-def _figures(proposer: Any) -> dict[str, float]:
-    """The proposer's step figures now (absent fields, from before pre-speculation, read as 0)."""
-    tracker = getattr(proposer, "_tracker", None)
-    if tracker is not None and hasattr(tracker, "sync_figures"):
-        tracker.sync_figures()  # pre-speculation's counts join the figures when they are written
-    figures = vars(tracker.figures) if tracker is not None else {}
-    return {name: float(figures.get(name, 0)) for name in FIGURES}
-
-
-def _close(proposer: Any) -> None:
-    """Stop a DrafterProposer's threads and channel, so that nothing of it runs during the next runs (best effort:
-    whichever of these the proposer has; the service stops after the run)."""
-    closing = getattr(proposer, "_closing", None)
-    if closing is not None:
-        closing.set()
-    tracker = getattr(proposer, "_tracker", None)
-    speculator = getattr(tracker, "speculator", None)
-    calls = [getattr(proposer, "close", None), getattr(speculator, "close_all", None),
-             getattr(getattr(tracker, "client", None), "close", None)]
-    for call in calls:
-        if callable(call):
-            try:
-                call()
-            except Exception:  # a proposer that fails to close does not fail the benchmark
-                traceback.print_exc()
-
-
 def run(command: dict[str, Any], warm: Sequence[Request], held: Sequence[Request],
         max_model_len: int) -> dict[str, Any]:
     """One method at one batch size: build, replay ``warmup`` + ``steps`` engine steps, summarise."""
@@ -148,17 +117,17 @@ def run(command: dict[str, Any], warm: Sequence[Request], held: Sequence[Request
     runner = BenchRunner(proposer, kind, input_batch(batch, max_model_len, k), k)
     runner.load_model()
     if kind == "custom_class" and getattr(proposer, "_tracker", None) is None:
-        _close(proposer)
+        close_proposer(proposer)
         return {"error": f"DrafterProposer did not connect to {os.environ.get('DRAFTER_ADDRESS')}"}
     loop = StepLoop(runner, held, batch, cached_state, float(command["step_ms"]))
     try:
         for _ in range(int(command["warmup"])):
             loop.step(None)
-        before = _figures(proposer)
+        before = proposer_figures(proposer)
         replay = loop.run(int(command["steps"]))
-        after = _figures(proposer)
+        after = proposer_figures(proposer)
     finally:
-        _close(proposer)
+        close_proposer(proposer)
     out = {"method": method, "batch": batch, **replay.summary()}
     if kind == "custom_class":
         out["figures"] = {name: after[name] - before[name] for name in FIGURES}

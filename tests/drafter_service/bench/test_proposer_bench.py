@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 
 from drafter_service.bench.proposer_bench import format_results, warm_service
-from drafter_service.bench.proposer_replay import BenchRunner, SimpleInputBatch, StepLoop, greedy_accept
+from drafter_service.bench.proposer_replay import (
+    FIGURES,
+    BenchRunner,
+    SimpleInputBatch,
+    StepLoop,
+    close_proposer,
+    greedy_accept,
+    proposer_figures,
+)
 from drafter_service.core.config import DrafterConfig
 from drafter_service.datasets.request_files import Request
 from drafter_service.rpc.server import create_server
@@ -136,12 +144,16 @@ def test_drafter_proposer_drafts_a_request_the_service_was_warmed_with(service):
     runner = BenchRunner(proposer, "custom_class", SimpleInputBatch(2, 128), k=4)
     runner.load_model()
     loop = StepLoop(runner, reqs, 2, step_ms=5)
-    run = loop.run(steps=30)
+    try:
+        run = loop.run(steps=30)
+        figures = proposer_figures(proposer)
+    finally:
+        close_proposer(proposer)
     assert run.completed == 2 and len(run.propose_ms) < 30  # both replayed to their end
     assert run.drafted > 0 and run.accepted > 0
     assert run.tokens_per_step > 2.0  # the warmed requests come back: most drafts are right
-    figures = vars(proposer._tracker.figures)
-    assert figures["drafted_rows"] > 0 and figures.get("failures", 0) == 0
+    assert set(figures) == set(FIGURES)  # fields the proposer lacks read as 0
+    assert figures["steps"] == len(run.propose_ms) and figures["drafted_rows"] > 0 and figures["failures"] == 0
 
 
 def test_the_table_compares_with_suffix_and_the_synchronous_run_and_reads_missing_figures_as_absent():
