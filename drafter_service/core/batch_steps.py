@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -11,7 +12,7 @@ import numpy as np
 import store.match_kernels as kernels
 from drafter_service.core.acceptance import AcceptanceModel
 from drafter_service.core.config import DrafterConfig
-from drafter_service.core.session import BudgetPolicy, DraftSession, lookup_tokens
+from drafter_service.core.session import BudgetPolicy, DraftSession, batch_states, batch_stepped, lookup_tokens
 from drafter_service.core.tree_builder import native_module
 from store.ngram_table import NativeLRUTable
 from store.token_store import Continuations, TokenStore
@@ -80,13 +81,7 @@ def draft_steps(drafter: Drafting, sessions: Sequence[DraftSession], accepted: n
     assert native is not None
     cfg = drafter.config
     store = drafter.store
-    bufs, lens, lasts, emas = [], [], [], []
-    for i, sess in enumerate(sessions):
-        bufs.append(sess.reserve(offsets[i + 1] - offsets[i]))
-        length, packed, ema = sess.batch_state()
-        lens.append(length)
-        lasts.append(packed)
-        emas.append(ema)
+    bufs, lens, lasts, emas = batch_states(sessions, [hi - lo for lo, hi in itertools.pairwise(offsets)])
     store_native = store.native_lookup_args() if cfg.use_store else None
     session_fn = kernels.native.session_lookup if kernels.native is not None else None
 
@@ -111,9 +106,7 @@ def draft_steps(drafter: Drafting, sessions: Sequence[DraftSession], accepted: n
         (tree_offsets, token_ids, parents, probs, kinds, confirmed, packed_drafts, new_lens, new_emas, scored,
          latencies, drafted_by_kind, confirmed_by_kind) = native.steps(
             bufs, lens, accepted, offsets, lasts, limits, report, emas, settings)
-    for sess, length, packed, ema, nodes, n_acc in zip(sessions, new_lens, packed_drafts, new_emas, scored,
-                                                       confirmed, strict=True):
-        sess.stepped(length, packed, ema, nodes, n_acc)
+    batch_stepped(sessions, new_lens, packed_drafts, new_emas, scored, confirmed)
     return StepsOutcome(tree_offsets, np.frombuffer(token_ids, np.int32), np.frombuffer(parents, np.int32),
                         np.frombuffer(probs, np.float64), np.frombuffer(kinds, np.uint8), confirmed, latencies,
                         drafted_by_kind, confirmed_by_kind)

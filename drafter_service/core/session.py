@@ -246,3 +246,34 @@ class DraftSession:
         self._last_tree, self._last_evidence = tree, evidence
         self._last_served = served if served is not tree else None
         self._last_packed = None
+
+
+def batch_states(sessions: Sequence[DraftSession], counts: Sequence[int],
+                 ) -> tuple[list[np.ndarray], list[int], list[bytes | None], list[float]]:
+    """What the batched step reads of each session (``DraftSession.batch_state``), each token buffer grown to take
+    ``counts[i]`` more tokens: (buffers, lengths, packed last drafts, averaged accepted tokens), in one pass."""
+    bufs: list[np.ndarray] = []
+    lens: list[int] = []
+    lasts: list[bytes | None] = []
+    emas: list[float] = []
+    for sess, extra in zip(sessions, counts, strict=True):
+        if sess._len + extra > sess._tokens.size:
+            sess.reserve(extra)
+        if sess._last_evidence is not None:  # a draft of the single path: packed to be scored the same way
+            sess.batch_state()
+        bufs.append(sess._tokens)
+        lens.append(sess._len)
+        lasts.append(sess._last_packed)
+        emas.append(sess._ema_accepted)
+    return bufs, lens, lasts, emas
+
+
+def batch_stepped(sessions: Sequence[DraftSession], lengths: Sequence[int], packed: Sequence[bytes | None],
+                  emas: Sequence[float], scored: Sequence[int], confirmed: Sequence[int]) -> None:
+    """``DraftSession.stepped`` for every session of a batched step, in one pass."""
+    for sess, length, last, ema, nodes, n_acc in zip(sessions, lengths, packed, emas, scored, confirmed, strict=True):
+        sess._len, sess._last_packed, sess._ema_accepted = length, last, ema
+        if nodes:
+            sess.steps += 1
+            sess.drafted += nodes
+            sess.accepted += n_acc
