@@ -1077,9 +1077,11 @@ static PyObject *steps(PyObject *self, PyObject *args) {
             LookupResult found[2] = {{0}, {0}};
             PyObject *view = NULL, *n_o = NULL;
             int ok = 1;
+            /* No node of a tree of ``budget`` nodes lies deeper than that: longer rows would go unread. */
+            int reach = budget < max_depth ? (int)budget : max_depth;
             for (int kind = 0; ok && kind < 2; kind++) {
                 if (!(kind ? use_store : use_session)) continue;
-                int rc = native_lookup(&nl, kind, tok, vb.len / 4, n, max_match, max_occ, max_depth, &found[kind]);
+                int rc = native_lookup(&nl, kind, tok, vb.len / 4, n, max_match, max_occ, reach, &found[kind]);
                 if (rc < 0) {
                     ok = 0;
                 } else if (rc == 0) {
