@@ -61,6 +61,8 @@ def add_proposer_bench(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated among {', '.join(METHODS)}")
     p.add_argument("--cost-aware", action="store_true", help="let drafter cut its chains by the measured step cost "
                    "(off by default so that acceptance compares)")
+    p.add_argument("--drafter-timeout", type=float, help="DRAFTER_TIMEOUT of the drafter methods: seconds a step "
+                   "may wait for the service (default: the proposer's own)")
     p.add_argument("--json", help="also write the results as JSON to this file")
     p.add_argument("--worker-log", help="append the worker's own output (vLLM's logging) to this file")
     p.set_defaults(func=run_proposer_bench)
@@ -174,6 +176,8 @@ def run_one(worker: ProposerWorker, method: str, batch: int, args: argparse.Name
             return None
         command["env"] = {"DRAFTER_ADDRESS": service.address, "DRAFTER_COST_AWARE": "1" if args.cost_aware else "0",
                           **DRAFTER_ENV[method]}
+        if args.drafter_timeout is not None:
+            command["env"]["DRAFTER_TIMEOUT"] = str(args.drafter_timeout)
     try:
         if service is not None:
             warm_service(service.address, warm)
@@ -229,12 +233,16 @@ def run_proposer_bench(args: argparse.Namespace) -> int:
     batches = args.batch or list(DEFAULT_BATCHES)
     if any(b < 1 for b in batches) or args.k < 1 or args.steps < 1 or args.warmup_steps < 0 or args.step_ms < 0:
         raise SystemExit("--batch, --k and --steps must be >= 1, --warmup-steps and --step-ms >= 0")
+    if args.drafter_timeout is not None and args.drafter_timeout <= 0:
+        raise SystemExit("--drafter-timeout must be > 0")
     warm, held = _workload(args)
     max_model_len = max(r.prompt.size + r.output.size for r in [*warm, *held]) + args.k + 1
     max_model_len = -(-max_model_len // 16) * 16
     header = (f"{args.dataset}: {len(warm)} warm requests, {len(held)} held back; k={args.k}; {args.steps} timed "
               f"steps after {args.warmup_steps}; forward pass {args.step_ms:g} ms; drafter's cost-aware cut "
-              f"{'on' if args.cost_aware else 'off'}; machine: {machine()}")
+              f"{'on' if args.cost_aware else 'off'}"
+              f"{f'; DRAFTER_TIMEOUT={args.drafter_timeout:g}' if args.drafter_timeout is not None else ''}; "
+              f"machine: {machine()}")
     log = open(args.worker_log, "a") if args.worker_log else None  # noqa: SIM115 (closed below)
     results: list[dict[str, Any]] = []
     try:
