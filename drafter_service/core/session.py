@@ -264,7 +264,7 @@ def batch_states(sessions: Sequence[DraftSession], counts: Sequence[int],
         bufs.append(sess._tokens)
         lens.append(sess._len)
         lasts.append(sess._last_packed)
-        emas.append(sess._ema_accepted)
+        emas.append(sess._ema_accepted if sess.policy.adaptive else FULL_BUDGET_EMA)
     return bufs, lens, lasts, emas
 
 
@@ -272,7 +272,11 @@ def batch_stepped(sessions: Sequence[DraftSession], lengths: Sequence[int], pack
                   emas: Sequence[float], scored: Sequence[int], confirmed: Sequence[int]) -> None:
     """``DraftSession.stepped`` for every session of a batched step, in one pass."""
     for sess, length, last, ema, nodes, n_acc in zip(sessions, lengths, packed, emas, scored, confirmed, strict=True):
-        sess._len, sess._last_packed, sess._ema_accepted = length, last, ema
+        sess._len, sess._last_packed = length, last
+        if sess.policy.adaptive:
+            sess._ema_accepted = ema
+        elif nodes:  # the batch saw FULL_BUDGET_EMA: the session's own average goes on from its own
+            sess._ema_accepted += 0.25 * (n_acc - sess._ema_accepted)
         if nodes:
             sess.steps += 1
             sess.drafted += nodes
