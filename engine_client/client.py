@@ -317,10 +317,16 @@ class DrafterClient(LocalFigures):
         state = book.get(session)
         cost = book.cost_points(verify_cost, estimate_exponent)  # checked before anything is recorded
         toks = book.record(state, accepted, step_seconds, max_nodes, plain_step_seconds)
-        tree = book.try_reuse(state, toks, max_nodes)
+        waiting = book.waiting_prefetch(state)
+        if waiting is not None and waiting.waiter is not None and self._backoff.ready():
+            with waiting.waiter.lock:  # asked for a step ago: normally the answer is already here
+                waiting.waiter.settle(waiting)
+            if waiting.outcome() == "down":
+                self._backoff.failure(f"{waiting.code}: {waiting.details}")
+        tree = book.try_reuse(state, max_nodes)
         if tree is not None:
-            if self._backoff.ready() and book.can_report(state):  # tell the service, do not wait for its answer
-                req, entry = book.draft_request(state, max_nodes, True, step_seconds, plain_step_seconds)
+            if self._backoff.ready() and book.can_report(state):  # fetch the new context's tree, do not wait
+                req, entry = book.prefetch_request(state, max_nodes, step_seconds, plain_step_seconds)
                 stream = self._get_stream()
                 with stream.lock:
                     if not stream.post(req, entry):

@@ -1,4 +1,8 @@
-"""Draft reuse and session bookkeeping shared by the sync and asyncio drafter clients (pure Python, no gRPC)."""
+"""Pre-speculation and session bookkeeping shared by the sync and asyncio drafter clients (pure Python, no gRPC).
+
+A session's next draft is cut from the tree drafted for an earlier context, followed down the tokens appended
+since; meanwhile the tree for the new context is fetched without waiting (a prefetch), and its answer is read at
+the next step. Only a miss waits for a round trip."""
 
 from __future__ import annotations
 
@@ -125,7 +129,9 @@ class SessionState:
     sent: int = 0
     acked: int = 0
     pending: list[Pending] = field(default_factory=list)
-    full: DraftTree = EMPTY_TREE
+    full: DraftTree = EMPTY_TREE  # the latest tree, drafted for the context tokens[:full_base]
+    full_base: int = 0
+    prefetch: Pending | None = None  # the request for the tree of a newer context, not read yet
     last_kind: str = ""
 
 
@@ -139,6 +145,7 @@ class Pending:
     report: bool
     max_nodes: int = 0
     waiter: Any = None
+    prefetch: bool = False  # asked for the next step's tree: its answer is kept, not given to the engine
     tree: DraftTree | None = None  # the answer's tree, once answered
     code: str = ""
     details: str = ""
@@ -169,9 +176,10 @@ def settle_all(book: SessionBook, entries: list[Pending], code: str, details: st
 class SessionBook:
     """Every open session of one client (tokens, remote sync state, the last whole tree) and the statistics.
 
-    Reuse policy: a step is served from the last tree when the accepted tokens are a path in it and at least
-    ``min_reuse_nodes`` nodes hang below (0: the step's whole budget, so the engine never verifies a smaller
-    tree than a fresh draft would give it; with 1, smaller subtrees measured about 5% fewer tokens per step).
+    Pre-speculation policy: a step is served from the latest tree when the tokens appended since it was drafted
+    are a path in it and at least ``min_reuse_nodes`` nodes hang below (0: the step's whole budget, so the engine
+    never verifies a smaller tree than a fresh draft would give it; with 1, smaller subtrees measured about 5%
+    fewer tokens per step); the tree for the new context is then fetched without waiting (``prefetch_request``).
     Thread-safe: the engine threads of the sync client update it under one lock.
     """
 
@@ -360,23 +368,26 @@ class SessionBook:
             self.stats.reports_sent += int(report)
             return state.remote_id, accepted, ask, entry
 
-    def next_steps(self, states: Sequence[SessionState], max_nodes: int, report: Sequence[bool]
-                   ) -> tuple[list[str], list[int], list[int], list[int], list[Pending]]:
+    def next_steps(self, states: Sequence[SessionState], max_nodes: int, report: Sequence[bool],
+                   prefetch: int = 0) -> tuple[list[str], list[int], list[int], list[int], list[Pending]]:
         """``next_step`` for many sessions at once, their tokens one after another: (remote session ids, every
-        session's tokens not sent yet, how many each has, budgets to ask for, pending records)."""
+        session's tokens not sent yet, how many each has, budgets to ask for, pending records). The first
+        ``prefetch`` sessions were served from an earlier tree: their trees are kept for the next step."""
         asks = [0 if rep else self.budget(state, max_nodes)[1] for state, rep in zip(states, report, strict=True)]
         ids: list[str] = []
         tokens: list[int] = []
         counts: list[int] = []
         entries: list[Pending] = []
         with self._lock:
-            for state, rep, ask in zip(states, report, asks, strict=True):
+            for k, (state, rep, ask) in enumerate(zip(states, report, asks, strict=True)):
                 end = len(state.tokens)
                 tokens += state.tokens[state.sent:end]
                 counts.append(end - state.sent)
                 state.sent = end
-                entry = Pending(state, state.generation, end, rep, ask)
+                entry = Pending(state, state.generation, end, rep, ask, prefetch=k < prefetch)
                 state.pending.append(entry)
+                if k < prefetch:
+                    state.prefetch = entry
                 ids.append(state.remote_id)
                 entries.append(entry)
             self.stats.reports_sent += sum(report)
@@ -424,13 +435,13 @@ class SessionBook:
                         state.pending.remove(entry)
                     if entry.generation == state.generation:
                         state.acked = max(state.acked, entry.upto)
-                if entry.report:
+                if entry.report or entry.prefetch:
                     out.append(None)
                     continue
                 got = entry.tree if entry.tree is not None else EMPTY_TREE
                 engine = min(max_nodes or state.max_nodes, self.limit)
                 part = got.prefix(engine)
-                state.full, state.last_kind = got, ("fetch" if len(part) else "")
+                state.full, state.full_base, state.last_kind = got, entry.upto, ("fetch" if len(part) else "")
                 stats.steps += 1
                 stats.fetched_steps += 1
                 stats.fetched_nodes += len(part)
@@ -483,21 +494,55 @@ class SessionBook:
         engine = min(max_nodes or state.max_nodes, self.limit)
         return engine, min(engine * (self.reuse_factor if self.reuse else 1), self.limit)
 
-    def try_reuse(self, state: SessionState, accepted: Sequence[int], max_nodes: int) -> DraftTree | None:
-        """The next draft from the part of the last tree below ``accepted``; None when a round trip is due."""
+    def try_reuse(self, state: SessionState, max_nodes: int) -> DraftTree | None:
+        """The next draft from the latest tree (a prefetched one once answered), below the tokens appended since
+        it was drafted; None when a round trip is due."""
         if not self.reuse:
             return None
         engine_nodes = self.budget(state, max_nodes)[0]
-        sub = reusable_subtree(state.full, accepted, self.min_reuse_nodes or engine_nodes)
+        least = self.min_reuse_nodes or engine_nodes
+        with self._lock:
+            self._take_prefetch(state)
+            tree, base = state.full, state.full_base
+        if base > len(state.tokens):
+            return None
+        path = state.tokens[base:]
+        sub = reusable_subtree(tree, path, least) if path else (tree if len(tree) >= max(1, least) else None)
         if sub is None:
             return None
         out = sub.prefix(engine_nodes)
         with self._lock:
-            state.full, state.last_kind = sub, "reuse"
+            state.full, state.full_base, state.last_kind = sub, len(state.tokens), "reuse"
             self.stats.steps += 1
             self.stats.reused_steps += 1
             self.stats.reused_nodes += len(out)
         return out
+
+    def _take_prefetch(self, state: SessionState) -> None:
+        """Keep the answer to the session's prefetch as its latest tree, when it came and is newer (hold the
+        lock)."""
+        entry = state.prefetch
+        if entry is None or not entry.done:
+            return
+        state.prefetch = None
+        if entry.tree is not None and entry.generation == state.generation and entry.upto >= state.full_base:
+            state.full, state.full_base = entry.tree, entry.upto
+
+    def prefetch_request(self, state: SessionState, max_nodes: int, step_seconds: float,
+                         plain_step_seconds: float = 0.0) -> tuple[pb.DraftRequest, Pending]:
+        """The DraftRequest for the tree of the session's new context, not waited for: its answer is read at the
+        next step (``waiting_prefetch``) and kept as the latest tree."""
+        req, entry = self.draft_request(state, max_nodes, False, step_seconds, plain_step_seconds)
+        with self._lock:
+            entry.prefetch = True
+            state.prefetch = entry
+        return req, entry
+
+    @staticmethod
+    def waiting_prefetch(state: SessionState) -> Pending | None:
+        """The session's prefetch, when its answer has not been read yet."""
+        entry = state.prefetch
+        return entry if entry is not None and not entry.done else None
 
     def reused(self, t0: int) -> None:
         """A reused step is over (its report posted): count its time."""
@@ -509,7 +554,7 @@ class SessionBook:
         tree = entry.tree if entry.tree is not None else EMPTY_TREE
         out = tree.prefix(self.budget(state, max_nodes)[0])
         with self._lock:
-            state.full, state.last_kind = tree, ("fetch" if len(out) else "")
+            state.full, state.full_base, state.last_kind = tree, entry.upto, ("fetch" if len(out) else "")
             self.stats.steps += 1
             self.stats.fetched_steps += 1
             self.stats.fetched_nodes += len(out)
@@ -519,7 +564,7 @@ class SessionBook:
     def empty(self, state: SessionState) -> DraftTree:
         """No draft this step (the service is away)."""
         with self._lock:
-            state.full, state.last_kind = EMPTY_TREE, ""
+            state.full, state.full_base, state.last_kind = EMPTY_TREE, len(state.tokens), ""
             self.stats.steps += 1
             self.stats.empty_steps += 1
         return EMPTY_TREE

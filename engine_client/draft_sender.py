@@ -121,6 +121,16 @@ class DraftSender:
         """Whether a call is out or queued items wait for one."""
         return self._busy or bool(self._queue)
 
+    def drain(self, timeout: float) -> bool:
+        """Send what is queued and wait until nothing is left to send; False when ``timeout`` passed first."""
+        self.wake()
+        deadline = time.monotonic() + timeout
+        while self.busy:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
     def stuck(self, seconds: float) -> bool:
         """Whether the call out has taken longer than ``seconds`` so far."""
         since = self._call_since

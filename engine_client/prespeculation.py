@@ -157,6 +157,11 @@ class PreSpeculator:
         """The engine's thread is done with this step: the sender may send what is queued."""
         self._sender.wake()
 
+    def drain(self, timeout: float = 5.0) -> bool:
+        """Send what is queued (opened, stepped and ended requests) and wait until it was sent; False when
+        ``timeout`` passed first."""
+        return self._sender.drain(timeout)
+
     def proposed(self, reqs: Sequence[Tracked], lengths: Sequence[int]) -> None:
         """What the engine was given in the end (a cost cut may shorten ``step``'s chains): what the next step's
         outcomes are measured against."""

@@ -25,7 +25,7 @@ class StepBatch:
     states: list[SessionState]
     recorded: list[list[int]]
     trees: list[DraftTree | None]
-    reports: list[int]  # reused steps whose tokens ride along with the first fetch
+    reports: list[int]  # steps served from an earlier tree: their new trees ride along with the first fetch
     reused: bool  # some session's tree is a reused subtree
     t0: int = field(default_factory=perf_counter_ns)
 
@@ -52,9 +52,8 @@ def begin(book: SessionBook, items: Sequence[tuple[str, Sequence[int]]], max_nod
         raise DrafterRequestError("a session appears twice in one batch")
     recorded = book.record_all(states, [accepted for _, accepted in items], step_seconds, max_nodes,
                                plain_step_seconds)
-    trees: list[DraftTree | None] = (
-        [book.try_reuse(state, toks, max_nodes) for state, toks in zip(states, recorded, strict=True)]
-        if book.reuse else [None] * len(states))
+    trees: list[DraftTree | None] = ([book.try_reuse(state, max_nodes) for state in states] if book.reuse
+                                     else [None] * len(states))
     reports = [i for i, tree in enumerate(trees) if tree is not None and book.can_report(states[i])]
     return StepBatch(states, recorded, trees, reports, any(tree is not None for tree in trees), t0)
 
@@ -63,7 +62,7 @@ def next_call(book: SessionBook, batch: StepBatch, namespace: str, max_nodes: in
               plain_step_seconds: float) -> BatchCall | None:
     """The DraftBatch request for what is still to fetch (None: nothing), opening sessions the service lacks."""
     todo = [i for i, tree in enumerate(batch.trees) if tree is None]
-    if not todo:  # reports ride along with fetches only; otherwise their tokens go with the next call
+    if not todo:  # prefetches ride along with fetches only; otherwise their tokens go with the next call
         return None
     starts, start_requests = [], []
     for i in todo:
@@ -74,13 +73,14 @@ def next_call(book: SessionBook, batch: StepBatch, namespace: str, max_nodes: in
             start_requests.append(request)
             book.opened(state, n, reopened)  # taken back when the service refuses the start
     order = [*batch.reports, *todo]
-    report = [True] * len(batch.reports) + [False] * len(todo)
+    prefetch = len(batch.reports)
     batch.reports = []
-    sessions, tokens, counts, asks, pending = book.next_steps([batch.states[i] for i in order], max_nodes, report)
+    sessions, tokens, counts, asks, pending = book.next_steps([batch.states[i] for i in order], max_nodes,
+                                                              [False] * len(order), prefetch)
     return BatchCall(pb.DraftBatchRequest(start=start_requests, step_seconds=step_seconds,
                                           plain_step_seconds=plain_step_seconds, packed_sessions=sessions,
                                           packed_tokens=np.array(tokens, "<i4").tobytes(), packed_counts=counts,
-                                          packed_max_nodes=asks, packed_report_only=report if any(report) else ()),
+                                          packed_max_nodes=asks),
                      starts, list(zip(order, pending, strict=True)))
 
 
@@ -135,7 +135,7 @@ def answered(book: SessionBook, batch: StepBatch, call: BatchCall, reply: pb.Dra
             book.failed(entry, CODE_NAMES.get(errors[k].code, "UNKNOWN"), errors[k].message, culprit=True,
                         definite=True)
     for i, entry in call.entries:  # a second pass: every step is settled before one may raise
-        if entry.report:
+        if entry.report or entry.prefetch:
             continue
         action = book.action(entry, len(batch.recorded[i]))
         if action == "done":

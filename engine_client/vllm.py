@@ -234,8 +234,11 @@ class DrafterProposer:
             return
         s = self.settings
         try:
+            # a short backoff: drafts come back within half a second of the service (only the sender's thread
+            # pays for the attempts while it is away)
             client = DrafterClient(s.address, s.namespace, timeout=s.timeout, reuse=False,
-                                   max_nodes=s.tree_nodes(self.k), security=s.security, fixed_budget=True)
+                                   max_nodes=s.tree_nodes(self.k), security=s.security, fixed_budget=True,
+                                   initial_backoff=0.05, max_backoff=0.5)
         except Exception:
             logger.exception("drafter: could not set up a client for %s; no drafts", s.address)
             return

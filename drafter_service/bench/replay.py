@@ -15,6 +15,7 @@ from drafter_service.bench.protocol import ChainDrafter, ReplayDrafter
 from drafter_service.core.config import DrafterConfig
 from drafter_service.core.drafter import Drafter
 from drafter_service.datasets.loaders import Request
+from engine_client.packed_trees import PackedTrees
 from engine_client.vllm import ProposerSettings
 
 if TYPE_CHECKING:
@@ -101,7 +102,8 @@ class CoreDrafter:
     def propose_chain(self, request_id: str, k: int) -> DraftTree:
         """The chain the vLLM proposer (``engine_client.vllm``, default settings) takes from drafter's tree."""
         tree = self.core.propose(request_id, PROPOSER.tree_nodes(k))
-        return path_tree(tree, best_chain(tree, k, PROPOSER.chain_min_prob))
+        tokens, _ = PackedTrees.from_trees([tree]).chain(0, k, PROPOSER.chain_min_prob)  # the proposer's cut
+        return path_tree(tree, tokens)
 
     def end(self, request_id: str) -> None:
         self.core.end(request_id)

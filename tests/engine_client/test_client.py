@@ -70,7 +70,8 @@ def generate(client, prompt, output, max_nodes=0):
 
 
 def mirror(stub, sid, prompt, output, max_nodes, factor, min_nodes):
-    """What the client must do, by hand on the raw stub: ask for a deeper tree, serve subtrees, report tokens.
+    """What the client must do, by hand on the raw stub: ask for a deeper tree, serve subtrees of the latest one,
+    and on a served step ask for the new context's tree (the next step's latest tree).
 
     Returns:
         (the trees the engine gets, tokens EndSession stored).
@@ -83,14 +84,15 @@ def mirror(stub, sid, prompt, output, max_nodes, factor, min_nodes):
             node = kids.get(node, {}).get(t)
             if node is None:
                 break
+        r = stub.Draft(pb.DraftRequest(session_id=sid, accepted=accepted, max_nodes=max_nodes * factor))
+        fresh = DraftTree(tuple(r.token_ids), tuple(r.parents), tuple(r.probs), sum(r.probs))
         if factor > 1 and accepted and node is not None and node >= 0 and \
                 len(full.subtree(node)) >= (min_nodes or max_nodes):
-            full = full.subtree(node)
-            assert not stub.Draft(pb.DraftRequest(session_id=sid, accepted=accepted, report_only=True)).token_ids
+            served = full.subtree(node)  # the engine's draft; the fresh tree is for the next step
         else:
-            r = stub.Draft(pb.DraftRequest(session_id=sid, accepted=accepted, max_nodes=max_nodes * factor))
-            full = DraftTree(tuple(r.token_ids), tuple(r.parents), tuple(r.probs), sum(r.probs))
-        trees.append(full.prefix(max_nodes))
+            served = fresh
+        full = fresh
+        trees.append(served.prefix(max_nodes))
         n, _ = accept_greedy(trees[-1], output[pos:])
         accepted = output[pos:pos + n + 1]
         pos += len(accepted)
@@ -109,8 +111,10 @@ def test_every_method_works_and_the_client_is_a_draft_source(address):
         assert len(trees) < len(output) and any(len(t) for t in trees)
         after = client.stats()
         assert after["stored_tokens"] - before["stored_tokens"] == len(prompt) + len(output) + 1
-        assert after["active_sessions"] == 0 and after["drafts"] == client.stats_local().fetched_steps
         local = client.stats_local()
+        # every step asked the service for a tree: waited for (fetched) or for the next step (served from an earlier
+        # tree, its new context's tree fetched meanwhile)
+        assert after["active_sessions"] == 0 and after["drafts"] == local.fetched_steps + local.reused_steps
         assert local.steps == len(trees) == local.fetched_steps + local.reused_steps and local.empty_steps == 0
         assert local.as_dict()["reuse_share"] == local.reuse_share
 
@@ -150,7 +154,7 @@ def wait_for(predicate, timeout=5.0):
         time.sleep(0.01)
 
 
-def test_reused_steps_need_no_round_trip_and_the_service_still_sees_every_token(address):
+def test_served_steps_wait_for_no_round_trip_and_fetch_the_next_tree_meanwhile(address):
     prompt, output = chain_request()
     stub = raw_stub(address)
     stub.Ingest(pb.IngestRequest(requests=[pb.Sequence(prompt=prompt, output=output)] * 2))
@@ -159,23 +163,24 @@ def test_reused_steps_need_no_round_trip_and_the_service_still_sees_every_token(
         sid = client.start(prompt)
         assert client.draft(sid, []).token_ids == tuple(output[:4])  # the service drafted a 16-node chain
         drafts = stats().drafts
-        # 4 draft tokens accepted + the target's token output[4], itself node 4 of the whole chain
+        # 4 draft tokens accepted + the target's token output[4], itself node 4 of the whole chain; each served step
+        # asks for the tree of its new context and reads the answer at the next step
         for step, lo in enumerate([5, 10], 1):
             tree = client.draft(sid, output[lo - 5:lo], step_seconds=0.001)
             assert tree.token_ids == tuple(output[lo:lo + 4]) and tree.parents == (-1, 0, 1, 2)
             tree.check_invariants()
             local = client.stats_local()
             assert local.reused_steps == step and local.fetched_steps == 1
-            wait_for(lambda step=step: stats().reused_steps == step)  # reports are not waited for: they arrive soon
-            assert stats().drafts == drafts  # no round trip
-        # past the end of the tree: a round trip, and the service's session holds every token reported
+            wait_for(lambda step=step: stats().drafts == drafts + step)  # not waited for: it arrives soon
+        # 7 tokens on: past the first tree, but inside the one fetched for output[:10]
         tree = client.draft(sid, output[10:17])
-        assert tree.token_ids == tuple(output[17:21]) and stats().drafts == drafts + 1
-        assert client.stats_local().reused_steps == 2 and client.stats_local().mean_reuse_us > 0
+        assert tree.token_ids == tuple(output[17:21])
+        assert client.stats_local().reused_steps == 3 and client.stats_local().fetched_steps == 1
+        assert client.stats_local().mean_reuse_us > 0
         before = stats().stored_tokens
-        client.end(sid, output[17:19])
+        client.end(sid, output[17:19])  # the service's session holds every token sent with the prefetches
         assert stats().stored_tokens - before == len(prompt) + 19 + 1  # prompt + everything accepted + separator
-        assert stats().reported_steps == 2
+        assert stats().drafts == drafts + 3 and stats().reused_steps == 0  # no report-only step
 
 
 def test_callers_mistakes_raise_and_change_nothing(address):

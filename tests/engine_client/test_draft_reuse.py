@@ -170,13 +170,31 @@ def test_refused_budget_teaches_the_limit_and_errors_take_tokens_back():
 def test_reuse_counts_steps_and_acceptance_by_kind():
     book = SessionBook(max_nodes=2, reuse_factor=4)
     s = opened_session(book)
-    s.full = TREE
-    sub = book.try_reuse(s, book.record(s, [5]), 0)
-    assert sub == TREE.subtree(0).prefix(2) and s.full == TREE.subtree(0)
-    assert book.try_reuse(s, book.record(s, [6, 7, 1]), 0) is None  # 1 is off the tree
+    s.full, s.full_base = TREE, len(s.tokens)  # the tree drafted for the session's context so far
+    book.record(s, [5])
+    sub = book.try_reuse(s, 0)
+    assert sub == TREE.subtree(0).prefix(2) and s.full == TREE.subtree(0) and s.full_base == len(s.tokens)
+    book.record(s, [6, 7, 1])
+    assert book.try_reuse(s, 0) is None  # 1 is off the tree
     stats = book.snapshot()
     assert (stats.steps, stats.reused_steps, stats.scored_after_reuse, stats.accepted_after_reuse) == (1, 1, 1, 2)
-    assert SessionBook(reuse=False).try_reuse(s, [5], 0) is None
+    assert SessionBook(reuse=False).try_reuse(s, 0) is None
+
+
+def test_a_prefetched_tree_is_the_next_steps_tree_once_answered():
+    book = SessionBook(max_nodes=2, reuse_factor=4)
+    s = opened_session(book)
+    s.full, s.full_base = TREE, len(s.tokens)
+    book.record(s, [5])
+    assert book.try_reuse(s, 0) == TREE.subtree(0).prefix(2)
+    _, entry = book.prefetch_request(s, 0, 0.0)  # the tree for the context ending in 5
+    assert book.waiting_prefetch(s) is entry and entry.max_nodes == 8
+    book.record(s, [9])
+    assert book.try_reuse(s, 0) is None  # 9 is not below 5 in the old tree, and the answer has not come
+    fresh = DraftTree((9, 4, 3), (-1, 0, 1), (0.9, 0.5, 0.4))
+    book.answered(entry, fresh)
+    assert book.waiting_prefetch(s) is None
+    assert book.try_reuse(s, 0) == fresh.subtree(0).prefix(2)  # followed down the prefetched tree's 9
 
 
 @pytest.mark.parametrize("min_reuse_nodes, max_nodes, reused", [
@@ -188,8 +206,9 @@ def test_reuse_counts_steps_and_acceptance_by_kind():
 def test_by_default_only_a_subtree_filling_the_budget_is_reused(min_reuse_nodes, max_nodes, reused):
     book = SessionBook(max_nodes=8, min_reuse_nodes=min_reuse_nodes)
     s = opened_session(book)
-    s.full = TREE
-    assert (book.try_reuse(s, book.record(s, [5]), max_nodes) is not None) == reused
+    s.full, s.full_base = TREE, len(s.tokens)
+    book.record(s, [5])
+    assert (book.try_reuse(s, max_nodes) is not None) == reused
 
 
 def test_ingest_buffer_drops_the_oldest_with_a_warning(caplog):

@@ -138,7 +138,7 @@ def test_tree_only_drafters_get_the_best_path_of_a_proposer_sized_tree() -> None
         drafter.start("last", req[-1].prompt.tolist())
         drafter.extend("last", req[-1].output[:5].tolist())
     for k in (2, 5, 12):
-        tree = b.propose("last", max(16, 2 * k))
+        tree = b.propose("last", max(32, 4 * k))
         got = chain_proposer(a)("last", k)
         assert list(got.token_ids) == best_chain(tree, k) and len(got) > 0
         assert got == path_tree(tree, best_chain(tree, k))  # the nodes keep their estimates
@@ -171,6 +171,11 @@ class CoreClient:
         self.core.end(session, accepted)
         self.core.rebuild()
 
+    available, buffered = True, 0
+
+    def flush(self) -> None:
+        pass
+
 
 @pytest.mark.parametrize("k", [2, 4, 9])
 def test_drafter_chains_are_the_vllm_proposers_chains(monkeypatch, k: int) -> None:
@@ -181,6 +186,7 @@ def test_drafter_chains_are_the_vllm_proposers_chains(monkeypatch, k: int) -> No
     # step costs, which has no step times to learn from here.
     monkeypatch.setenv("DRAFTER_COST_AWARE", "0")
     monkeypatch.setenv("DRAFTER_CHAIN_MIN_PROB", str(ProposerSettings().chain_min_prob))
+    monkeypatch.setenv("DRAFTER_PRESPECULATE", "0")  # every step's chain from the tree for its own context
     max_len = 4096
     config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
                              model_config=SimpleNamespace(max_model_len=max_len, get_vocab_size=lambda: 100))
@@ -215,8 +221,9 @@ def test_drafter_chains_are_the_vllm_proposers_chains(monkeypatch, k: int) -> No
         del runner.requests[rid]
         runner.input_batch.req_ids = []
         proposer.propose([], np.zeros(0, dtype=np.int32), tokens)  # a step without rows ends the request
+        assert proposer._tracker is not None and proposer._tracker.speculator.drain()  # ended as ``ours`` was
     assert drafted > 0
-    assert CoreClient.built[-1].max_nodes == max(16, 2 * k)
+    assert CoreClient.built[-1].max_nodes == max(32, 4 * k)
 
 
 class HalfKnowing:
