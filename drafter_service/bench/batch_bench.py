@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +31,8 @@ def add_batch_bench(bench: argparse._SubParsersAction) -> None:
     bp.add_argument("--reuse", type=int, default=0, help="1: let the client reuse subtrees (fewer round trips)")
     bp.add_argument("--wire", type=int, default=1, help="1: also time DraftBatch as a bare load generator sends it "
                     "(packed steps, replies read whole with numpy): what the service answers, without the client")
+    bp.add_argument("--engines", type=int, default=2, help="bare load generators stepping at once for the last "
+                    "column (one service, many engines; 0: leave it out)")
     bp.set_defaults(func=run_batch_bench)
 
 
@@ -75,13 +78,14 @@ class WireEngine:
     stub, the reply read whole with ``numpy.frombuffer`` (no tree object per session); sessions start and end
     with their own calls outside the timed step."""
 
-    def __init__(self, stub: pb_grpc.DrafterStub, pool: list[Request], batch: int, offset: int) -> None:
-        self.stub, self.pool, self.next = stub, pool, offset
+    def __init__(self, stub: pb_grpc.DrafterStub, pool: list[Request], batch: int, offset: int, stride: int = 1,
+                 ) -> None:
+        self.stub, self.pool, self.next, self.stride = stub, pool, offset, stride  # requests offset, + stride, ...
         self.slots = [self._open() for _ in range(batch)]
 
     def _open(self) -> list:
         req = self.pool[self.next % len(self.pool)]
-        self.next += 1
+        self.next += self.stride
         sid = f"wire-{self.next}"
         self.stub.StartSession(pb.StartSessionRequest(session_id=sid, prompt=req.prompt.tolist()))
         return [sid, req.output.tolist(), 0, []]
@@ -131,6 +135,26 @@ def _time_wire(engine: WireEngine, budget: int, steps: int) -> list[float]:
     return times
 
 
+def _engines_rate(engines: list[WireEngine], budget: int, steps: int) -> float:
+    """Drafts per second the service answers to several bare load generators stepping at once, each in its own
+    thread (one service, many engines): every tree of ``steps`` steps each over the wall time of them all."""
+    start = threading.Barrier(len(engines) + 1)
+
+    def run(engine: WireEngine) -> None:
+        start.wait()
+        for _ in range(steps):
+            engine.advance(engine.step(budget))
+
+    threads = [threading.Thread(target=run, args=(e,), daemon=True) for e in engines]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return sum(len(e.slots) for e in engines) * steps / (time.perf_counter() - t0)
+
+
 def _time_steps(engine: Engine, batched: bool, budget: int, steps: int) -> list[float]:
     """Milliseconds of drafting per engine step (every request's draft), ``steps`` of them after two to warm up."""
     times = []
@@ -164,9 +188,10 @@ def run_batch_bench(args: argparse.Namespace) -> int:
             print(f"stored {stats.stored_tokens:,} tokens in {stats.stored_requests:,} requests; "
                   f"{args.steps} engine steps per row, medians; client reuse {'on' if args.reuse else 'off'}")
             wire = " DraftBatch, bare: ms/step | drafts/s |" if args.wire else ""
+            many = f" {args.engines} bare engines: drafts/s |" if args.engines else ""
             print(f"| B | budget | per-request Draft: ms/step | DraftBatch: ms/step | speedup | DraftBatch drafts/s |"
-                  f"{wire}")
-            print("|---|---|---|---|---|---|" + ("---|---|" if args.wire else ""))
+                  f"{wire}{many}")
+            print("|---|---|---|---|---|---|" + ("---|---|" if args.wire else "") + ("---|" if args.engines else ""))
             with DrafterClient(svc.address, timeout=30.0, reuse=bool(args.reuse)) as client, \
                     grpc.insecure_channel(svc.address) as channel:
                 stub = pb_grpc.DrafterStub(channel)
@@ -187,10 +212,18 @@ def run_batch_bench(args: argparse.Namespace) -> int:
                             if engine.next > len(held) >= cursor:
                                 print(f"(requests replayed from here on: the {len(held)} held-out ones are used up)")
                             cursor = engine.next
+                        rate = ""
+                        if args.engines:
+                            fleet = [WireEngine(stub, held, b, offset=cursor + k, stride=args.engines)
+                                     for k in range(args.engines)]
+                            rate = f" {_engines_rate(fleet, budget, args.steps):,.0f} |"
+                            for engine in fleet:
+                                engine.close()
+                            cursor = max(engine.next for engine in fleet)
                         single, batch = medians[:2]
                         bare = f" {medians[2]:.2f} | {b / medians[2] * 1e3:,.0f} |" if args.wire else ""
                         print(f"| {b} | {budget} | {single:.2f} | {batch:.2f} | {single / batch:.1f}× | "
-                              f"{b / batch * 1e3:,.0f} |{bare}", flush=True)
+                              f"{b / batch * 1e3:,.0f} |{bare}{rate}", flush=True)
         finally:
             svc.stop()
     return 0

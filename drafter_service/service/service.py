@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_INT32 = np.dtype(np.int32)
+
 PersistenceFactory = Callable[[str, int], RedisPersistence | None]
 """(namespace name, vocab size) -> a persistence object for it, or None for memory only."""
 
@@ -245,7 +247,7 @@ class DrafterService:
                     self._check_tokens(accepted, "accepted")
                     self._check_budget(budget)
                 ns, sess = get(caller, session_id)
-                if (ns is trusted and isinstance(accepted, np.ndarray) and accepted.dtype == np.int32
+                if (ns is trusted and type(accepted) is np.ndarray and accepted.dtype is _INT32
                         and len(sess) - sess.prompt_len + accepted.size <= most):
                     ids = accepted  # what ``_accepted`` would return, without its checks one by one
                 else:
