@@ -31,8 +31,8 @@ def add_batch_bench(bench: argparse._SubParsersAction) -> None:
     bp.add_argument("--reuse", type=int, default=0, help="1: let the client reuse subtrees (fewer round trips)")
     bp.add_argument("--wire", type=int, default=1, help="1: also time DraftBatch as a bare load generator sends it "
                     "(packed steps, replies read whole with numpy): what the service answers, without the client")
-    bp.add_argument("--engines", type=int, default=2, help="bare load generators stepping at once for the last "
-                    "column (one service, many engines; 0: leave it out)")
+    bp.add_argument("--engines", type=int, default=0, help="N > 0: a last column with N bare load generators "
+                    "stepping at once against the service (one service, many engines: drafts/s of them all)")
     bp.set_defaults(func=run_batch_bench)
 
 
