@@ -27,7 +27,7 @@ class Tracked:
     """One request as pre-speculation follows it (a handle: the engine's thread owns ``recent``, ``total`` and
     ``proposed``; the sender's thread sets ``landed`` and ``session``)."""
 
-    __slots__ = ("recent", "total", "proposed", "landed", "session", "unsent")
+    __slots__ = ("recent", "total", "proposed", "landed", "earlier", "session", "unsent")
 
     def __init__(self, recent: list[int], total: int) -> None:
         self.recent = recent  # its last tokens (at least the history pre-speculation follows)
@@ -36,6 +36,7 @@ class Tracked:
         # (context length it was drafted for, its trees, its root code): the latest tree, one tuple so the engine's
         # thread reads the three together; no tree yet: (-1, None, -1)
         self.landed: tuple[int, PackedTrees | None, int] = (-1, None, -1)
+        self.earlier: tuple[int, PackedTrees | None, int] = self.landed  # the tree before it (see PreSpeculator)
         self.session = ""  # the client's session id ("" until opened, or refused)
         self.unsent: list[int] = []  # tokens recorded and not yet sent
 

@@ -86,6 +86,7 @@ class PreSpeculator:
         self._ticket = -1
         self._breaker = BackoffClock(ExponentialBackoff(0.1, 5.0))
         self._last_step = 0.0
+        self._last_batch: tuple[int, ...] = ()
         self._sender = DraftSender(client, max_nodes, self._land, self._refuse)
 
     # -- the engine's thread -------------------------------------------------------------------------------
@@ -110,10 +111,11 @@ class PreSpeculator:
         """
         now = self.clock()
         fig = self.figures
-        if self._last_step:  # an idle engine's gap counts as at most a few steps
+        batch = tuple(map(id, reqs))
+        if self._last_step and batch == self._last_batch:  # not across a change of batch (an idle engine's gap)
             took = now - self._last_step
-            fig.step_seconds += EMA * (min(took, 4 * fig.step_seconds) - fig.step_seconds) if fig.step_seconds else (
-                took)
+            fig.step_seconds += EMA * (took - fig.step_seconds) if fig.step_seconds else took
+        self._last_batch = batch
         accepted, chains_proposed = 0, 0
         history = self.history
         for req, toks in zip(reqs, new, strict=True):
@@ -173,27 +175,27 @@ class PreSpeculator:
         self._sender.close()
 
     def _lookup(self, reqs: Sequence[Tracked], max_lengths: Sequence[int]) -> Chains:
-        """Each row's chain from the tree its request has, followed down the tokens appended since."""
+        """Each row's chain from the latest tree its request has, followed down the tokens appended since; where
+        that leaves the tree, from the tree before it (the last chain was often cut from that one)."""
         tokens: list[list[int]] = []
         probs: list[list[float]] = []
-        history, min_prob = self.history, self.min_prob
         for req, max_len in zip(reqs, max_lengths, strict=True):
-            landed = req.landed
-            span = req.total - landed[0]
-            if landed[1] is None or max_len <= 0 or not 0 <= span <= min(history, len(req.recent)):
-                tokens.append([])
-                probs.append([])
-                continue
-            tree: PackedTrees = landed[1]
-            code = tree.descend(landed[2], req.recent[len(req.recent) - span:]) if span else landed[2]
-            if code < 0:
-                tokens.append([])
-                probs.append([])
-                continue
-            chain, estimates = tree.chain(code, max_len, min_prob)
+            chain, estimates = self._cut(req, req.landed, max_len) if max_len > 0 else ([], [])
+            if not chain and max_len > 0 and req.earlier[1] is not None:
+                chain, estimates = self._cut(req, req.earlier, max_len)
             tokens.append(chain)
             probs.append(estimates)
         return tokens, probs
+
+    def _cut(self, req: Tracked, landed: tuple[int, PackedTrees | None, int], max_len: int
+             ) -> tuple[list[int], list[float]]:
+        """The chain below the request's tokens since ``landed``'s context, in its tree (empty: none)."""
+        base, tree, root = landed
+        span = req.total - base
+        if tree is None or not 0 <= span <= min(self.history, len(req.recent)):
+            return [], []
+        code = tree.descend(root, req.recent[len(req.recent) - span:]) if span else root
+        return tree.chain(code, max_len, self.min_prob) if code >= 0 else ([], [])
 
     def _worth_waiting(self, missed: int, rows: int, hits: int) -> float:
         """Seconds worth waiting for the step's own answer (0: do not wait).
@@ -249,7 +251,7 @@ class PreSpeculator:
             landed.seconds)
         tree = landed.trees
         for i, (req, total) in enumerate(zip(landed.reqs, landed.totals, strict=True)):
-            req.landed = (total, tree, i)  # one assignment: the engine's thread reads the three together
+            req.earlier, req.landed = req.landed, (total, tree, i)  # the engine's thread reads each tuple whole
         with self._landed:
             self._answered = max(self._answered, landed.ticket)
             self._landed.notify_all()

@@ -93,14 +93,15 @@ def test_a_miss_waits_for_its_own_answer_when_the_engine_step_is_long(service):
     _, address = service
     clock = Clock(step=1.0)  # a slow engine: a round trip is worth waiting for
     spec = speculator(address, clock)
-    warm = spec.open(DOC[:20])
-    spec.step([warm], [[DOC[20]]], [K])  # the first step: the step time is not known yet
+    warm, jumper = spec.open(DOC[:20]), spec.open(DOC[:30])
+    spec.step([warm, jumper], [[DOC[20]], [DOC[30]]], [K, K])  # the first step: the step time is not known yet
     spec.release()
+    landed(jumper)
     clock.now += clock.step
-    fresh = spec.open(DOC[:30])  # a request without any tree yet
-    chains, _ = spec.step([warm, fresh], [[DOC[21]], [DOC[30]]], [K, K])
+    # the same batch a step later: jumper appends a token its tree does not hold below its context
+    chains, _ = spec.step([warm, jumper], [[DOC[21]], [DOC[40]]], [K, K])
     spec.release()
-    assert chains[1] == DOC[31:31 + K]  # waited for, drafted for this very context
+    assert chains[1] == DOC[41:41 + K]  # waited for, drafted for this very context
     assert spec.figures.waits == 1 and spec.figures.late == 0
 
 
