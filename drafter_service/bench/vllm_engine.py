@@ -6,6 +6,7 @@ to the same streams and is skipped by the reader):
 
 - ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": N}`` -> ``{"outputs": [[ids...], ...],
   "seconds": s, "counters": {...}}``: greedy outputs in prompt order; the counters are vLLM's, cumulative.
+  ``max_tokens`` may also be a list, one per prompt; ``"ignore_eos": true`` generates past the end token.
 - ``{"op": "quit"}``: shut the engine down.
 
 Only this module imports vLLM; it runs inside vLLM's venv (``make vllm``).
@@ -73,8 +74,11 @@ def serve(args: argparse.Namespace) -> None:
         if command.get("op") != "generate":
             _answer({"error": f"unknown op {command.get('op')!r}"})
             continue
-        params = SamplingParams(temperature=0.0, max_tokens=int(command["max_tokens"]), detokenize=False,
-                                ignore_eos=bool(command.get("ignore_eos", False)))
+        limits = command["max_tokens"]
+        if not isinstance(limits, list):
+            limits = [limits] * len(command["prompts"])
+        params = [SamplingParams(temperature=0.0, max_tokens=int(n), detokenize=False,
+                                 ignore_eos=bool(command.get("ignore_eos", False))) for n in limits]
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in command["prompts"]]
         t1 = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)

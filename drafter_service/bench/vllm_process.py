@@ -84,10 +84,12 @@ class VllmEngineProcess:
             raise RuntimeError(f"vLLM ({self.method}): {answer['error']}")
         return answer
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, timeout: float = 1800.0,
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int], timeout: float = 1800.0,
                  ignore_eos: bool = False) -> Generation:
-        """Greedy outputs of ``prompts`` (one batch), with the time and vLLM's counters after it."""
-        self._send({"op": "generate", "prompts": [list(map(int, p)) for p in prompts], "max_tokens": max_tokens,
+        """Greedy outputs of ``prompts`` (one batch), with the time and vLLM's counters after it; ``max_tokens``:
+        one limit for all, or one per prompt."""
+        limits = max_tokens if isinstance(max_tokens, int) else [int(n) for n in max_tokens]
+        self._send({"op": "generate", "prompts": [list(map(int, p)) for p in prompts], "max_tokens": limits,
                     "ignore_eos": ignore_eos})
         answer = self._next(timeout)
         return Generation(answer["outputs"], float(answer["seconds"]), answer["counters"])

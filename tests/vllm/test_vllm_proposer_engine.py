@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -62,12 +63,22 @@ def engine(model: str, method: str, workdir: Path, name: str, env: dict[str, str
     return VllmEngineProcess(model, method, K, env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}, log=log)
 
 
+#: The generation the service is stopped in: requests that end while it is stopped, and longer ones that go on
+#: well past its return (every prompt ignores the end token, so the lengths are exact).
+STOPPED_LIMITS = [40, 40, 48, 56, 200, 200, 200, 200]
+
+
 @pytest.fixture(scope="module")
 def plain(model, prompts, workdir) -> dict[str, list[list[int]]]:
     """vLLM without speculation: the outputs every speculative run must reproduce."""
     with engine(model, "none", workdir, "plain") as eng:
         return {"gsm8k": eng.generate(prompts["gsm8k"], SHORT).outputs,
-                "humaneval": eng.generate(prompts["humaneval"], LONG).outputs}
+                "humaneval": eng.generate(prompts["humaneval"], LONG).outputs,
+                "stopped": eng.generate(stopped_prompts(prompts), STOPPED_LIMITS, ignore_eos=True).outputs}
+
+
+def stopped_prompts(prompts: dict[str, list[list[int]]]) -> list[list[int]]:
+    return prompts["gsm8k"][4:] + prompts["humaneval"]
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +149,77 @@ def test_a_second_engine_is_drafted_what_the_first_wrote(first, second, plain, p
     seen_rate = delta(seen, novel, ACCEPTED) / delta(seen, novel, GENERATED)
     assert seen_rate >= 0.6, (seen_rate, novel_rate)
     assert seen_rate > novel_rate + 0.2, (seen_rate, novel_rate)
+
+
+def figures_file(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def test_a_service_stopped_for_20_s_never_stalls_the_engine_and_drafts_resume(second, service, plain, prompts,
+                                                                             workdir):
+    """SIGSTOP (a hung service, not a dead one) in the middle of a generation, SIGCONT 20 s later."""
+    stats_file = workdir / "second.json"
+    stored_before = stats(service)["stored_requests"]
+    seen: list[tuple[float, int, int]] = []  # (time, steps, draft tokens) of the proposer, every 20 ms
+    stopped: list[float] = []
+    resumed: list[float] = []
+    finished = threading.Event()
+
+    def watch() -> None:
+        while not finished.is_set():
+            figures = figures_file(stats_file)
+            if figures:
+                seen.append((time.monotonic(), int(figures["steps"]), int(figures["draft_tokens"])))
+            time.sleep(0.02)
+
+    def stop_midway() -> None:
+        start = seen[-1][1] if seen else 0
+        wait_for(lambda: bool(seen) and seen[-1][1] >= start + 10, 300, "ten engine steps", poll=0.02)
+        os.kill(service.proc.pid, signal.SIGSTOP)
+        stopped.append(time.monotonic())
+        time.sleep(20)
+        os.kill(service.proc.pid, signal.SIGCONT)
+        resumed.append(time.monotonic())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    time.sleep(0.3)
+    stopper = threading.Thread(target=stop_midway, daemon=True)
+    stopper.start()
+    try:
+        generation = second.generate(stopped_prompts(prompts), STOPPED_LIMITS, ignore_eos=True)
+    finally:
+        stopper.join(60)
+        if not resumed and service.proc.poll() is None:
+            os.kill(service.proc.pid, signal.SIGCONT)
+        finished.set()
+        watcher.join(5)
+    assert stopped and resumed, "the service was not stopped and resumed during the generation"
+    assert generation.outputs == plain["stopped"]
+    # the engine's steps while the service was stopped, against its steps before
+    def per_step(lo: float, hi: float) -> list[float]:  # mean step over each update of the figures file
+        return [(b[0] - a[0]) / (b[1] - a[1]) for a, b in zip(seen, seen[1:], strict=False)
+                if lo <= a[0] and b[0] <= hi and b[1] > a[1]]
+
+    before, during = per_step(0.0, stopped[0]), per_step(stopped[0], resumed[0])
+    assert during, "no engine step while the service was stopped"
+    drafted_at_resume = max(d for t, _, d in seen if t <= resumed[0])
+    after = [t for t, _, d in seen if t > resumed[0] and d > drafted_at_resume]
+    tail = [(round(t - resumed[0], 2), n, d) for t, n, d in seen if t > resumed[0] - 1.0][:80:4]
+    assert after and after[0] - resumed[0] <= 1.0 + 0.25, f"drafts did not resume within a second: {tail}"  # + lag
+    plain_step = sorted(before)[len(before) // 2] if before else 0.0
+    longest = figures_file(stats_file)["longest_step_ms"]
+    print(f"service stopped 20 s: engine step during the stop {max(during) * 1e3:.0f} ms at most (mean over each "
+          f"0.2 s update of the figures), {plain_step * 1e3:.0f} ms before it (median of the same); longest step "
+          f"of the engine's whole run {longest:.0f} ms (a prefill included); drafts again "
+          f"{(after[0] - resumed[0]) * 1e3:.0f} ms after SIGCONT")
+    assert max(during) < 1.0 and longest < 1500  # no step waited out DRAFTER_TIMEOUT (2 s) on the stopped service
+    wait_for(lambda: stats(service)["stored_requests"] >= stored_before + len(STOPPED_LIMITS), 30,
+             "every request of the generation stored, those that ended during the stop included")
+    assert stats(service)["stored_requests"] == stored_before + len(STOPPED_LIMITS)
 
 
 def test_generation_completes_with_the_same_output_when_the_service_is_killed(second, service, plain, prompts,
