@@ -81,8 +81,8 @@ class Landed:
 
 
 class DraftSender:
-    """Sends queued steps from a daemon thread; ``on_landed`` gets each reply indexed, ``on_refused`` the
-    service's refusal of this engine's tokens.
+    """Sends queued steps from a daemon thread; ``on_landed`` gets each reply indexed (chains of at most ``width``
+    tokens, cut under ``min_prob``), ``on_refused`` the service's refusal of this engine's tokens.
 
     Args:
         client: the drafter client (used from this thread only, besides ``close``).
@@ -90,8 +90,8 @@ class DraftSender:
     """
 
     def __init__(self, client: DrafterClient, max_nodes: int, on_landed: Callable[[Landed], None],
-                 on_refused: Callable[[str], None]) -> None:
-        self.client, self.max_nodes = client, max_nodes
+                 on_refused: Callable[[str], None], width: int, min_prob: float = 0.0) -> None:
+        self.client, self.max_nodes, self.width, self.min_prob = client, max_nodes, width, min_prob
         self._on_landed, self._on_refused = on_landed, on_refused
         self._queue: list[Opened | Stepped | Ended] = []
         self._cv = threading.Condition()
@@ -209,7 +209,7 @@ class DraftSender:
         if answered and self.client.buffered:  # requests that ended while the service was away
             self.client.flush()
         self._on_landed(Landed(ticket, reqs, [totals.get(id(r), r.total) for r in reqs],
-                               PackedTrees.from_trees(trees) if answered else PackedTrees.from_trees([]),
+                               PackedTrees.from_trees(trees if answered else [], self.width, self.min_prob),
                                time.perf_counter() - t0, answered))
 
     def _end(self, req: Tracked) -> None:

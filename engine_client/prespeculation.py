@@ -87,7 +87,7 @@ class PreSpeculator:
         self._breaker = BackoffClock(ExponentialBackoff(0.1, 5.0))
         self._last_step = 0.0
         self._last_batch: tuple[int, ...] = ()
-        self._sender = DraftSender(client, max_nodes, self._land, self._refuse)
+        self._sender = DraftSender(client, max_nodes, self._land, self._refuse, k, min_prob)
 
     # -- the engine's thread -------------------------------------------------------------------------------
 
@@ -195,7 +195,7 @@ class PreSpeculator:
         if tree is None or not 0 <= span <= min(self.history, len(req.recent)):
             return [], []
         code = tree.descend(root, req.recent[len(req.recent) - span:]) if span else root
-        return tree.chain(code, max_len, self.min_prob) if code >= 0 else ([], [])
+        return tree.chain(code, max_len) if code >= 0 else ([], [])
 
     def _worth_waiting(self, missed: int, rows: int, hits: int) -> float:
         """Seconds worth waiting for the step's own answer (0: do not wait).

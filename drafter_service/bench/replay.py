@@ -102,7 +102,7 @@ class CoreDrafter:
     def propose_chain(self, request_id: str, k: int) -> DraftTree:
         """The chain the vLLM proposer (``engine_client.vllm``, default settings) takes from drafter's tree."""
         tree = self.core.propose(request_id, PROPOSER.tree_nodes(k))
-        tokens, _ = PackedTrees.from_trees([tree]).chain(0, k, PROPOSER.chain_min_prob)  # the proposer's cut
+        tokens, _ = PackedTrees.from_trees([tree], k, PROPOSER.chain_min_prob).chain(0, k)  # the proposer's cut
         return path_tree(tree, tokens)
 
     def end(self, request_id: str) -> None:
