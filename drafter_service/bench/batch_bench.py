@@ -32,7 +32,8 @@ def add_batch_bench(bench: argparse._SubParsersAction) -> None:
     bp.add_argument("--wire", type=int, default=1, help="1: also time DraftBatch as a bare load generator sends it "
                     "(packed steps, replies read whole with numpy): what the service answers, without the client")
     bp.add_argument("--engines", type=int, default=0, help="N > 0: a last column with N bare load generators "
-                    "stepping at once against the service (one service, many engines: drafts/s of them all)")
+                    "stepping at once against the service (one service, many engines: drafts/s of them all over "
+                    "their whole steps, their own work between calls included)")
     bp.set_defaults(func=run_batch_bench)
 
 
