@@ -107,8 +107,18 @@ class SnapshotStore:
         Returns:
             The snapshot's header (sizes, lengths, time).
         """
-        header, arrays = encode_items(items, self.vocab_size if self.vocab_size is not None else 1 << 31)
-        header.update(format=FORMAT_VERSION, kind="table", saved_at=time.time(), last_request_id=last_request_id)
+        return self.save_encoded_table(*encode_items(items, self.vocab_limit), last_request_id)
+
+    @property
+    def vocab_limit(self) -> int:
+        """Token ids a saved table may hold are below this."""
+        return self.vocab_size if self.vocab_size is not None else 1 << 31
+
+    def save_encoded_table(self, header: dict, arrays: dict[str, np.ndarray],
+                           last_request_id: str | None = None) -> dict:
+        """``save_table`` for a table already encoded (``table_codec.encode_table`` or ``encode_items``)."""
+        header = {**header, "format": FORMAT_VERSION, "kind": "table", "saved_at": time.time(),
+                  "last_request_id": last_request_id}
         self._write_blobs(self.table_key, header, arrays)
         return header
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -65,6 +66,33 @@ def encode_items(items: Items, vocab_limit: int) -> tuple[dict, dict[str, np.nda
             raise ValueError(f"{name} hold token ids outside [0, {vocab_limit})")
         arrays[name] = arr.astype(np.int32)
     header = {"leader_len": ll, "follower_len": fl, "leaders": len(fanout), "followers": len(counts)}
+    return header, arrays
+
+
+def encode_table(table: Any, vocab_limit: int) -> tuple[dict, dict[str, np.ndarray]]:
+    """``encode_items(table.items(), vocab_limit)``, read in one native call when the table offers ``arrays()``
+    (the native LRU table: no Python object per leader or follower, so a snapshot holds its lock briefly).
+
+    Raises:
+        ValueError: token ids outside [0, vocab_limit).
+    """
+    dump = getattr(table, "arrays", None)
+    if dump is None or not len(table):
+        return encode_items(table.items(), vocab_limit)
+    leaders, fanout, followers, counts = dump()
+    ll, fl = int(table.leader_len), int(table.follower_len)
+    arrays: dict[str, np.ndarray] = {
+        "leaders": np.frombuffer(leaders, dtype=np.int32).reshape(-1, ll),  # (L, LL) token ids
+        "fanout": np.frombuffer(fanout, dtype=np.int32),  # (L,) followers of each leader
+        "followers": np.frombuffer(followers, dtype=np.int32).reshape(-1, fl),  # (F, FL) token ids
+        "counts": np.frombuffer(counts, dtype=np.int64),  # (F,) insertions
+    }
+    for name in ("leaders", "followers"):
+        arr = arrays[name]
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_limit):
+            raise ValueError(f"{name} hold token ids outside [0, {vocab_limit})")
+    header = {"leader_len": ll, "follower_len": fl, "leaders": int(arrays["fanout"].size),
+              "followers": int(arrays["counts"].size)}
     return header, arrays
 
 

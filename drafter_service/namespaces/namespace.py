@@ -22,6 +22,7 @@ from drafter_service.namespaces.frozen_tables import FrozenTables
 from drafter_service.namespaces.spooling import SpoolingLog
 from drafter_service.namespaces.stats import DraftCounters, NamespaceStats
 from store.request_log import SeenKeys
+from store.table_codec import encode_table
 
 if TYPE_CHECKING:
     from store.persistence import RedisPersistence
@@ -95,8 +96,8 @@ class Namespace:
             if self.spool is not None and self.spool.holding:
                 return  # the table holds requests the log does not hold yet: snapshot once they are in
             last = self.log.position if self.log.follower is not None else p.last_id()
-            items = list(self.drafter.dynamic.items())
-        p.save_table(items, last)
+            header, arrays = encode_table(self.drafter.dynamic, p.vocab_limit)  # the native table: one C call
+        p.save_encoded_table(header, arrays, last)
         p.save_model(self.drafter.model.snapshot())
         p.trim_requests(self.drafter.config.capacity)  # the log never outgrows what the ring buffer holds
 

@@ -305,3 +305,27 @@ def test_dropped_tables_free_everything() -> None:
                 del t
     """)
     assert grown < 4 << 20
+
+
+@pytest.mark.parametrize("ll, fl", [(1, 3), (2, 2), (3, 1)])
+def test_arrays_encode_as_items_do(ll: int, fl: int) -> None:
+    """A snapshot read in one native call (arrays) encodes exactly as the items it stands for."""
+    from store.table_codec import encode_items, encode_table
+
+    rng = np.random.default_rng(ll)
+    native, ref = pair(ll, fl, 50, 6)
+    assert encode_table(native, 100)[0] == encode_items(native.items(), 100)[0]  # empty: the items path
+    tokens = rng.integers(0, 30, 4000)
+    native.update(tokens)
+    ref.update(tokens.tolist())
+    native.query(tuple(int(t) for t in tokens[:ll]))
+    ref.query(tuple(int(t) for t in tokens[:ll]))
+    for table in (native, ref):
+        header, arrays = encode_table(table, 100)
+        want_header, want = encode_items(ref.items(), 100)
+        assert header == want_header
+        assert sorted(arrays) == sorted(want)
+        for name, arr in want.items():
+            assert arrays[name].dtype == arr.dtype and arrays[name].tolist() == arr.tolist(), name
+    with pytest.raises(ValueError):
+        encode_table(native, 20)
