@@ -8,7 +8,6 @@ Without vLLM's venv these tests are skipped, unless DRAFTER_REQUIRE_VLLM=1 (``ma
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from drafter_service.bench.e2e_prompts import load_prompts
 from drafter_service.bench.serve_bench import ServiceProcess
-from drafter_service.bench.vllm_process import vllm_python, wait_for
+from drafter_service.bench.vllm_process import wait_for
 from drafter_service.bench.vllm_server import VllmApiServer
 from drafter_service.datasets.target_model import smollm2_checkpoint
 
@@ -30,11 +29,6 @@ LONG, SHORT = 64, 48  # tokens asked for: the batched requests, and the single o
 PROMPTS = 8
 
 pytestmark = pytest.mark.timeout(900)
-
-if not vllm_python().exists():
-    if os.environ.get("DRAFTER_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"{vllm_python()} is missing: run `make vllm`")
-    pytest.skip("vLLM's venv is missing (make vllm)", allow_module_level=True)
 
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 DRAFTS = "vllm:spec_decode_num_drafts"

@@ -17,7 +17,7 @@ import pytest
 
 from drafter_service.bench.e2e_prompts import load_prompts
 from drafter_service.bench.serve_bench import ServiceProcess
-from drafter_service.bench.vllm_process import Generation, VllmEngineProcess, vllm_python, wait_for
+from drafter_service.bench.vllm_process import Generation, VllmEngineProcess, wait_for
 from drafter_service.datasets.target_model import smollm2_checkpoint
 from engine_client import DrafterClient
 
@@ -26,11 +26,6 @@ SHORT = 64  # tokens generated for the GSM8K prompts
 LONG = 128  # and for the HumanEval ones (the service is killed while they generate)
 
 pytestmark = pytest.mark.timeout(1200)
-
-if not vllm_python().exists():
-    if os.environ.get("DRAFTER_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"{vllm_python()} is missing: run `make vllm`")
-    pytest.skip("vLLM's venv is missing (make vllm)", allow_module_level=True)
 
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 DRAFTS = "vllm:spec_decode_num_drafts"
