@@ -42,6 +42,9 @@ def _env_float(env: Mapping[str, str], name: str, default: _D) -> float | _D:
         raise ValueError(f"{name}={raw!r} is not a number") from None
 
 
+#: How many times ``ProposerSettings.timeout`` the background DraftBatch may take (a step waits at most the timeout).
+BACKGROUND_DEADLINE = 10
+
 #: The chain cut without the cost-aware budget: a token must be expected to be accepted this often.
 FIXED_MIN_PROB = 0.05
 
@@ -53,7 +56,8 @@ class ProposerSettings:
     Attributes:
         address: host:port of the drafter service.
         namespace: the namespace of the model's tokenizer ("" = default).
-        timeout: seconds one DraftBatch call may take, and the longest a step ever waits for one.
+        timeout: the longest a step ever waits for the service; the background DraftBatch may take
+            ``BACKGROUND_DEADLINE`` times as long (a late answer still brings the next steps' trees).
         max_nodes: nodes of the tree asked for per request (0: four times the speculative length, at least 32:
             deep enough that the chain after the next verification's outcome is in it).
         min_prob: acceptance estimate a chain token must reach to be proposed (what verifying one more token
@@ -236,7 +240,8 @@ class DrafterProposer:
         try:
             # a short backoff: drafts come back within half a second of the service (only the sender's thread
             # pays for the attempts while it is away)
-            client = DrafterClient(s.address, s.namespace, timeout=s.timeout, reuse=False,
+            # the background call may take ten times what a step may wait: a late answer still brings trees
+            client = DrafterClient(s.address, s.namespace, timeout=BACKGROUND_DEADLINE * s.timeout, reuse=False,
                                    max_nodes=s.tree_nodes(self.k), security=s.security, fixed_budget=True,
                                    initial_backoff=0.05, max_backoff=0.5)
         except Exception:
