@@ -60,7 +60,7 @@ def engine(model: str, method: str, workdir: Path, name: str, env: dict[str, str
 
 #: The generation the service is stopped in: requests that end while it is stopped, and longer ones that go on
 #: well past its return (every prompt ignores the end token, so the lengths are exact).
-STOPPED_LIMITS = [40, 40, 48, 56, 200, 200, 200, 200]
+STOPPED_LIMITS = [40, 40, 48, 56, 480, 480, 480, 480]
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +201,9 @@ def test_a_service_stopped_for_20_s_never_stalls_the_engine_and_drafts_resume(se
 
     before, during = per_step(0.0, stopped[0]), per_step(stopped[0], resumed[0])
     assert during, "no engine step while the service was stopped"
+    steps_at_resume = max(n for t, n, _ in seen if t <= resumed[0])
+    assert any(n > steps_at_resume for t, n, _ in seen if t > resumed[0] + 1.0), \
+        "the generation ended before the service had been back a second: lengthen STOPPED_LIMITS' long requests"
     drafted_at_resume = max(d for t, _, d in seen if t <= resumed[0])
     after = [t for t, _, d in seen if t > resumed[0] and d > drafted_at_resume]
     tail = [(round(t - resumed[0], 2), n, d) for t, n, d in seen if t > resumed[0] - 1.0][:80:4]
