@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from drafter_service.api.backoff import BackoffClock, ExponentialBackoff
 from engine_client.client import DrafterClient
@@ -43,14 +43,9 @@ class PreSpeculationFigures:
     misses: int = 0  # rows that wanted a chain but their tree held none below what they appended
     waits: int = 0  # steps that waited for their own answer
     late: int = 0  # waits that ended without the answer (the breaker opened)
-    skipped_waits: int = 0  # missed rows left without a draft: the wait would not pay, or the breaker was open
     step_seconds: float = 0.0  # running mean of the engine's step (between calls)
     round_trip_seconds: float = 0.0  # running mean of a DraftBatch round trip
     accepted_per_chain: float = 1.0  # running mean of tokens accepted per chain proposed
-
-    def as_dict(self) -> dict[str, float]:
-        """The figures by name."""
-        return asdict(self)
 
 
 class PreSpeculator:
@@ -148,8 +143,6 @@ class PreSpeculator:
                 for i, chain in enumerate(fresh):
                     if chain:
                         tokens[i], probs[i] = chain, fresh_probs[i]
-            elif self.prespeculate:
-                fig.skipped_waits += missed
         for req, chain in zip(reqs, tokens, strict=True):
             req.proposed = len(chain)
         self._last_step = self.clock()
