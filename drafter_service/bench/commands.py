@@ -28,7 +28,7 @@ from drafter_service.bench.serve_bench import add_serve_bench
 from drafter_service.bench.soak import add_soak_bench
 from drafter_service.bench.vllm_bench import add_vllm_bench
 from drafter_service.bench.warm_bench import add_warm_bench
-from drafter_service.core.config import DrafterConfig
+from drafter_service.core.config import GATES, DrafterConfig
 from drafter_service.datasets.loaders import DATASET_NAMES, Request, load_dataset, read_requests
 from drafter_service.datasets.target_model import smollm2_checkpoint
 from store.corpus_counts import build_frozen_table
@@ -90,6 +90,9 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("--card-layers", type=int, default=6,
                     help="layers the draft model grows per verification step (the communication ratio)")
     rp.add_argument("--card-vocab", type=int, default=8192, help="draft over this many of the most frequent tokens")
+    rp.add_argument("--card-gate", choices=GATES, default="acceptance",
+                    help="when the model's nodes are served (drafter serve's --card-gate; the replay's default "
+                    "weighs acceptance alone, since time does not count in it)")
     rp.set_defaults(func=run_replay)
     st = bench.add_parser("store", help="index size, rebuild time and draft latency with a large store")
     st.add_argument("--tokens", type=int, default=10_000_000, help="tokens to fill the store with")
@@ -230,7 +233,8 @@ def _card_drafters(args: argparse.Namespace, reqs: Sequence[Request]) -> list[Re
     for name in card_variants(args.card_variants):
         model_free, correction = CARD_VARIANTS[name]
         settings = CardSettings(width=args.card_width, top_k=args.card_top_k, layers_ahead=args.card_layers,
-                                correction=correction, max_sessions=1, vocab=args.card_vocab)
+                                correction=correction, max_sessions=1, vocab=args.card_vocab,
+                                gate=args.card_gate)
         sources = {f"use_{s}": model_free for s in ("session", "store", "dynamic", "frozen")}
         drafts = DraftModelDrafts(model, settings, _token_counts(folder))
         out.append(CoreDrafter(DrafterConfig(**sources), name, drafts))

@@ -11,6 +11,8 @@ DRAFTING = "drafting"
 """Settings group of the namespaces' drafting cores."""
 DRAFT_MODEL = "draft model"
 """Settings group of the optional draft models."""
+GATES = ("time", "acceptance", "off")
+"""When a draft model's nodes are served (``CardSettings.gate``)."""
 SOURCE_NAMES = ("session", "store", "dynamic", "frozen", "repeat")
 """The model-free sources a namespace drafts from (DrafterConfig's ``use_<name>`` fields)."""
 
@@ -123,22 +125,31 @@ class CardSettings:
     max_sessions: int = field(default=8, metadata=setting(
         "--card-max-sessions", "most sessions with a draft-model cache at once; later sessions draft without the "
         "model", DRAFT_MODEL))
-    vocab: int = field(default=0, metadata=setting(
+    vocab: int = field(default=-1, metadata=setting(
         "--card-vocab", "draft over this many of the most frequent tokens (counted over the namespace's store and "
-        "the model's token_counts.npy when it has one; 0: all); the output head is most of a small draft model's "
-        "cost", DRAFT_MODEL))
+        "the model's token_counts.npy when it has one; 0: all; -1: 8192 for a model on a CPU, all on a GPU); the "
+        "output head is most of a small draft model's cost", DRAFT_MODEL))
     nice: int = field(default=0, metadata=setting(
         "--card-nice", "CPU niceness of the draft model's threads (0-19; Linux): on a CPU shared with the target, a "
         "higher value leaves the target more of it", DRAFT_MODEL))
-    idle_priority: bool = field(default=False, metadata=setting(
-        "--card-idle", "1: run the draft model's threads under SCHED_IDLE (only cycles nothing else wants)",
-        DRAFT_MODEL))
+    idle_priority: int = field(default=-1, metadata=setting(
+        "--card-idle", "1: run the draft model's threads under SCHED_IDLE (only cycles nothing else wants); 0: "
+        "normal priority; -1: SCHED_IDLE for a model on a CPU that the service does not have to itself (it may "
+        "run on every CPU of the machine, as an engine beside it does)", DRAFT_MODEL))
+    gate: str = field(default="time", metadata=setting(
+        "--card-gate", "when the model's nodes are served: time (while they raise tokens per second, measured from "
+        "acceptance and from the engine's step times with the model running and paused), acceptance (while they "
+        "raise acceptance; the model never pauses), off (always)", DRAFT_MODEL))
 
     def __post_init__(self) -> None:
         if not 0 <= self.nice <= 19:
             raise ValueError(f"draft model nice must be in [0, 19], got {self.nice}")
-        if self.vocab < 0:
-            raise ValueError(f"draft model vocab must be >= 0, got {self.vocab}")
+        if self.vocab < -1:
+            raise ValueError(f"draft model vocab must be >= 0 (or -1: by device), got {self.vocab}")
+        if self.idle_priority not in (-1, 0, 1):
+            raise ValueError(f"draft model idle priority must be 1, 0 or -1 (by machine), got {self.idle_priority}")
+        if self.gate not in GATES:
+            raise ValueError(f"draft model gate must be one of {', '.join(GATES)}, got {self.gate!r}")
         for name in ("width", "top_k", "layers_ahead", "max_nodes", "max_sessions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"draft model {name} must be at least 1, got {getattr(self, name)}")

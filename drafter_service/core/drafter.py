@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -16,6 +17,7 @@ from drafter_service.core.batch_steps import StepsOutcome, draft_steps
 from drafter_service.core.batch_steps import available as batch_steps_available
 from drafter_service.core.config import DrafterConfig
 from drafter_service.core.model_drafts import ModelDrafts
+from drafter_service.core.model_gate import ModelGate
 from drafter_service.core.repeat_cache import RepeatCache
 from drafter_service.core.session import BudgetPolicy, Confirmation, DraftSession
 from drafter_service.core.tree_builder import BuildLimits, RowsSource, TableSource, build_tree
@@ -23,6 +25,9 @@ from store.ngram_table import FrozenNGramTable, LRUNGramTable, NativeLRUTable
 from store.token_store import TokenStore
 
 logger = logging.getLogger(__name__)
+
+#: Longest interval between a session's steps that counts as an engine step (longer: the engine was idle).
+MAX_STEP_INTERVAL = 5.0
 
 
 class _LockedTable:
@@ -47,12 +52,16 @@ class Drafter:
     without a session. ``rebuild`` refreshes the suffix index and is meant to run off the request path.
 
     With a ``draft_model``, each session also gets a CARD candidate cache grown by the model on its own thread;
-    its best paths are merged into every draft.
+    its best paths are merged into every draft while the ``model_gate`` finds that they pay (see ``ModelGate``).
     """
 
-    def __init__(self, config: DrafterConfig | None = None, draft_model: ModelDrafts | None = None) -> None:
+    def __init__(self, config: DrafterConfig | None = None, draft_model: ModelDrafts | None = None,
+                 name: str = "") -> None:
         self.config = config or DrafterConfig()
         self.draft_model = draft_model
+        gate = draft_model.settings.gate if draft_model is not None else "off"
+        self.model_gate = None if gate == "off" else ModelGate(
+            count_time=gate == "time", on_running=draft_model.set_running if draft_model else None, name=name)
         self._vocab_end = 0  # store end when the draft model's vocabulary was last chosen
         cfg = self.config
         self.store = TokenStore(cfg.capacity, tail_tokens=cfg.tail_tokens)
@@ -152,6 +161,8 @@ class Drafter:
         before = len(sess)
         if sess.repeat is not None:
             self._follow_repeat(sess, ids)
+        if sess.card is not None and self.model_gate is not None and ids.size:
+            self._score_model(sess, self.model_gate, ids)
         confirmed = sess.extend(ids)
         if sess.card is not None and ids.size and self.draft_model is not None:
             model_hit = sess.card.correct(ids)
@@ -161,6 +172,19 @@ class Drafter:
             with self._table_lock:
                 self.dynamic.update(sess.tokens[max(0, before - 8):].tolist(), new_from=min(before, 8))
         return confirmed
+
+    @staticmethod
+    def _score_model(sess: DraftSession, gate: ModelGate, ids: np.ndarray) -> None:
+        """Give the model gate the last draft's shadow score and the session's step interval."""
+        shadow, sess.model_shadow = sess.model_shadow, None
+        if shadow is not None:
+            free, merged, empty = shadow
+            truth = ids.tolist()
+            gate.record(_path_depth(merged, truth), _path_depth(free, truth), empty)
+        now = time.monotonic()
+        if sess.stepped_phase == gate.phase_id and now - sess.stepped_at < MAX_STEP_INTERVAL:
+            gate.record_interval(now - sess.stepped_at, gate.running, gate.phase_id)
+        sess.stepped_at, sess.stepped_phase = now, gate.phase_id
 
     def _follow_repeat(self, sess: DraftSession, ids: np.ndarray) -> None:
         """Score the last repeat branch against ``ids`` and keep following it while the output matches."""
@@ -193,7 +217,12 @@ class Drafter:
         tokens = sess.tokens
         if budget == 0 or tokens.size == 0:
             return EMPTY_TREE
-        model_tree = sess.card.query(budget) if sess.card is not None else EMPTY_TREE
+        gate = self.model_gate
+        model_tree = EMPTY_TREE
+        if sess.card is not None:
+            if gate is not None:
+                gate.tick()
+            model_tree = sess.card.query(budget)
         rows: list[RowsSource] = []
         if cfg.use_session:
             found = sess.lookup(cfg.max_match, cfg.max_occurrences, cfg.max_depth)
@@ -214,6 +243,11 @@ class Drafter:
         limits = BuildLimits(budget, cfg.max_depth, cfg.min_prob, cfg.branch)
         tree, evidence = build_tree(tokens[-cfg.leader_len:].tolist(), rows, tables, self.model, limits)
         served = merge_trees(tree, model_tree, budget) if len(model_tree) else tree
+        if gate is not None and sess.card is not None:
+            if gate.running:  # scored against the outcome; a paused worker's cache says nothing of the model
+                sess.model_shadow = (tree, served, not len(model_tree))
+            if not gate.serving:
+                served = tree
         if sess.repeat is not None:
             branch = self.repeats.branch(sess.repeat, sess.repeat_pos, budget)
             if len(branch):

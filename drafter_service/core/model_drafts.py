@@ -48,6 +48,10 @@ class ModelDrafts(Protocol):
         """Stop a session's cache."""
         ...
 
+    def set_running(self, running: bool) -> None:
+        """Let the model's workers grow their caches (True) or pause them (False)."""
+        ...
+
     def record_step(self, hit: bool) -> None:
         """Count one verification step the model's top path was scored on."""
         ...

@@ -110,6 +110,10 @@ class DraftSession:
         self._last_served: DraftTree | None = None  # the last draft as served, when it differs
         self._last_packed: bytes | None = None  # the last draft and its evidence, packed, when the batch drafted it
         self.card: ModelSession | None = None  # the draft model's cache, when the namespace has one
+        # The last draft with and without the model's nodes, while its worker ran (the model gate scores both).
+        self.model_shadow: tuple[DraftTree, DraftTree, bool] | None = None  # (model-free, merged, model empty)
+        self.stepped_at = 0.0  # monotonic time of the last step, for the model gate's step intervals
+        self.stepped_phase = -1  # the model gate's phase at that step
         self.repeat: np.ndarray | None = None  # (m,) int32 stored output of the same prompt, while followed
         self.repeat_pos = 0  # output tokens so far, all equal to the start of ``repeat``
         self.repeat_offered = 0  # depth of the repeat branch in the last draft served

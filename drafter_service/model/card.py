@@ -12,12 +12,14 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
 from drafter_service.core.config import CardSettings, DraftModelSpec
 from drafter_service.model.card_cache import CachedNode, CandidateCache
+from drafter_service.model.hardware import own_cpus
 
 if TYPE_CHECKING:
     import numpy as np
@@ -83,7 +85,7 @@ class CardSession:
     """
 
     def __init__(self, cache: CandidateCache, calibration: ProbabilityCalibration, name: str = "card",
-                 nice: int = 0, idle_priority: bool = False) -> None:
+                 nice: int = 0, idle_priority: bool = False, running: threading.Event | None = None) -> None:
         self.cache = cache
         self.nice = nice
         self.idle_priority = idle_priority
@@ -92,6 +94,10 @@ class CardSession:
         self._last: list[CachedNode] = []
         self._stop = threading.Event()
         self._wake = threading.Event()
+        if running is None:
+            running = threading.Event()
+            running.set()
+        self._running = running  # cleared: the worker pauses (the namespace's model gate decides)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -109,6 +115,9 @@ class CardSession:
         self._lower_priority()
         try:
             while not self._stop.is_set():
+                if not self._running.is_set():
+                    self._running.wait(0.5)
+                    continue
                 if self.cache.grow() == 0 and not self.cache.wants_growth():
                     self._wake.wait(0.5)
                     self._wake.clear()
@@ -171,7 +180,8 @@ class CardSession:
     def settle(self, timeout: float = 60.0) -> None:
         """Wait until the worker has nothing left to grow (for replays that fix the communication ratio)."""
         deadline = time.monotonic() + timeout
-        while self.alive and not self.failed and self.cache.wants_growth() and time.monotonic() < deadline:
+        while (self.alive and not self.failed and self._running.is_set() and self.cache.wants_growth()
+               and time.monotonic() < deadline):
             time.sleep(0.0005)
 
     def close(self, timeout: float = 5.0) -> bool:
@@ -199,6 +209,8 @@ class DraftModelDrafts:
         self.model = model
         self.settings = settings or CardSettings()
         self.calibration = ProbabilityCalibration()
+        self._running = threading.Event()  # shared by every session's worker
+        self._running.set()
         self._open = 0
         self._lock = threading.Lock()
         self.steps = 0
@@ -220,7 +232,7 @@ class DraftModelDrafts:
         import numpy as np
         import torch
 
-        size = self.settings.vocab
+        size = max(0, self.settings.vocab)
         weight = self.model.get_output_embeddings().weight  # (V, hidden)
         vocab = int(weight.shape[0])
         if not size or size >= vocab:
@@ -250,7 +262,7 @@ class DraftModelDrafts:
             cache = CandidateCache(self.model, [int(t) for t in prompt], width=s.width, top_k=s.top_k,
                                    layers_ahead=s.layers_ahead, max_nodes=s.max_nodes, correction=s.correction,
                                    head=self._head)
-            return CardSession(cache, self.calibration, name, s.nice, s.idle_priority)
+            return CardSession(cache, self.calibration, name, s.nice, s.idle_priority == 1, self._running)
         except Exception:
             with self._lock:
                 self._open -= 1
@@ -262,6 +274,13 @@ class DraftModelDrafts:
             logger.warning("draft model worker %s did not stop in time", session)
         with self._lock:
             self._open -= 1
+
+    def set_running(self, running: bool) -> None:
+        """Let every session's worker grow its cache (True), or pause them after their current forward pass."""
+        if running:
+            self._running.set()
+        else:
+            self._running.clear()
 
     def record_step(self, hit: bool) -> None:
         """Count a verification step and whether its accepted path came from the cache."""
@@ -289,6 +308,7 @@ def load_drafts(spec: DraftModelSpec, vocab_size: int) -> DraftModelDrafts:
     from drafter_service.model.draft_model import TOKEN_COUNTS, DraftModelError, load_draft_model
     from engine_client.tree_attention import model_layer_types
 
+    spec = for_this_machine(spec)
     if spec.threads:
         torch.set_num_threads(spec.threads)
     model = load_draft_model(spec.path, vocab_size, dtype=getattr(torch, spec.dtype), device=spec.device,
@@ -299,5 +319,25 @@ def load_drafts(spec: DraftModelSpec, vocab_size: int) -> DraftModelDrafts:
                               "is supported")
     counts_file = Path(spec.path) / TOKEN_COUNTS
     counts = np.load(counts_file) if counts_file.is_file() else None
-    logger.info("namespace %s: draft model %s on %s (%s)", spec.namespace, spec.path, spec.device, spec.dtype)
+    c = spec.card
+    logger.info("namespace %s: draft model %s on %s (%s, %s threads, %s, %s-token head, gate %s)", spec.namespace,
+                spec.path, spec.device, spec.dtype, spec.threads or "torch's default",
+                "SCHED_IDLE" if c.idle_priority == 1 else f"nice {c.nice}", c.vocab or "whole", c.gate)
     return DraftModelDrafts(model, spec.card, counts)
+
+
+#: Output-head vocabulary of a draft model on a CPU when none is set (``--card-vocab -1``).
+CPU_HEAD_VOCAB = 8192
+
+
+def for_this_machine(spec: DraftModelSpec) -> DraftModelSpec:
+    """``spec`` with its automatic settings chosen: head vocabulary by device; on a CPU the service may share with
+    an engine (``own_cpus`` is 0), one thread under SCHED_IDLE, so that the model only takes cycles the engine
+    leaves; on CPUs of its own, one thread per CPU at normal priority."""
+    card = spec.card
+    on_cpu = spec.device == "cpu"
+    vocab = (CPU_HEAD_VOCAB if on_cpu else 0) if card.vocab == -1 else card.vocab
+    own = own_cpus() if on_cpu else 0
+    idle = int(on_cpu and not own) if card.idle_priority == -1 else card.idle_priority
+    threads = spec.threads or (own or 1 if on_cpu else 0)
+    return replace(spec, threads=threads, card=replace(card, vocab=vocab, idle_priority=idle))

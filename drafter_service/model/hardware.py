@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
-__all__ = ["BFLOAT16_CPU_FLAGS", "cpu_model_and_flags", "native_bfloat16"]
+__all__ = ["BFLOAT16_CPU_FLAGS", "cpu_model_and_flags", "native_bfloat16", "own_cpus"]
 
 #: CPU flags (``/proc/cpuinfo``) of instructions that compute bfloat16 matrix products natively. Without one,
 #: torch converts every product to float32 and back, which costs many times float32's own time when compute bound
@@ -45,3 +46,14 @@ def native_bfloat16(device: str = "cpu", cpu_flags: frozenset[str] | None = None
 
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     return False
+
+
+def own_cpus() -> int:
+    """How many CPUs this process was given to itself: 0 when it may run on every CPU of the machine (so whatever
+    else runs there, an engine included, shares them), else the size of the set it was confined to (``taskset``,
+    a cgroup cpuset), which the operator chose for it."""
+    try:
+        mine = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return 0
+    return mine if mine < (os.cpu_count() or mine) else 0

@@ -40,7 +40,7 @@ class Namespace:
     def __init__(self, name: str, config: DrafterConfig, persistence: RedisPersistence | None,
                  draft_model: ModelDrafts | None = None) -> None:
         self.name = name
-        self.drafter = Drafter(config, draft_model)
+        self.drafter = Drafter(config, draft_model, name)
         self.persistence = persistence
         self.frozen_tables = FrozenTables(name, self.drafter, persistence)
         self.counters = DraftCounters()
@@ -265,6 +265,7 @@ class Namespace:
         s = d.store.stats()
         c = self.counters
         m = d.draft_model
+        gate = d.model_gate.figures() if d.model_gate is not None and m is not None else None
         return NamespaceStats(
             namespace=self.name, vocab_size=d.config.vocab_size, stored_tokens=s["tokens"],
             stored_requests=s["documents"], indexed_tokens=s["indexed_tokens"],
@@ -281,6 +282,8 @@ class Namespace:
             reused_steps=c.reused_steps, repeat_hits=d.repeats.hits,
             draft_model_sessions=m.open_sessions if m is not None else 0,
             draft_model_steps=m.steps if m is not None else 0, draft_model_hits=m.hits if m is not None else 0,
+            draft_model_verdict=gate.verdict if gate else "", draft_model_served=gate.serving if gate else False,
+            draft_model_ratio=gate.ratio if gate else 0.0,
         )
 
 

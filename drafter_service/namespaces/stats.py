@@ -178,3 +178,6 @@ class NamespaceStats:
     draft_model_sessions: int
     draft_model_steps: int
     draft_model_hits: int
+    draft_model_verdict: str = ""
+    draft_model_served: bool = False
+    draft_model_ratio: float = 0.0

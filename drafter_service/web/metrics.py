@@ -46,6 +46,9 @@ _GAUGES = (  # (stats key, metric name, help)
     ("dynamic_leaders", "drafter_dynamic_leaders", "Leaders held by the dynamic n-gram table."),
     ("active_sessions", "drafter_active_sessions", "Live sessions."),
     ("draft_model_sessions", "drafter_draft_model_sessions", "Sessions whose draft-model cache is running."),
+    ("draft_model_served", "drafter_draft_model_served", "1 while the draft model gate serves the model's nodes."),
+    ("draft_model_ratio", "drafter_draft_model_ratio",
+     "The gate's estimate of tokens per second with the draft model's nodes over without them."),
     ("spooled_requests", "drafter_spooled_requests", "Acknowledged requests held in the local spool until Redis "
      "takes them."),
     ("spooled_bytes", "drafter_spooled_bytes", "Bytes of the requests held in the local spool."),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import subprocess
 import sys
 import time
@@ -16,7 +18,9 @@ from drafter_service.core.config import (  # noqa: E402
     DrafterConfig,
     DraftModelSpec,  # noqa: E402
 )
+from drafter_service.core.model_gate import ModelGate  # noqa: E402
 from drafter_service.model.draft_model import DraftModelError  # noqa: E402
+from drafter_service.model.hardware import own_cpus  # noqa: E402
 from drafter_service.rpc.server import create_server  # noqa: E402
 from drafter_service.service.config import ServiceConfig  # noqa: E402
 from drafter_service.service.service import DrafterService  # noqa: E402
@@ -44,7 +48,7 @@ def target_folder(tmp_path_factory):
 
 
 def service_config(folder, vocab: int = VOCAB, **card: object) -> ServiceConfig:
-    settings = CardSettings(**{"width": 8, "top_k": 3, "layers_ahead": 6, **card})
+    settings = CardSettings(**{"width": 8, "top_k": 3, "layers_ahead": 6, "gate": "off", "idle_priority": 0, **card})
     return ServiceConfig(drafter=DrafterConfig(capacity=1 << 14), default_vocab_size=vocab,
                          draft_models=(DraftModelSpec("default", str(folder), card=settings),))
 
@@ -107,3 +111,44 @@ def test_serve_refuses_a_mismatched_draft_model_with_a_clear_error(target_folder
                            "--draft-model", str(target_folder)], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "bad draft model" in proc.stderr and "vocab_size 1000" in proc.stderr
+
+
+def test_on_a_cpu_it_may_share_the_worker_takes_only_idle_cycles(target_folder):
+    service = DrafterService(ServiceConfig(drafter=DrafterConfig(capacity=1 << 14), default_vocab_size=VOCAB,
+                                           draft_models=(DraftModelSpec("default", str(target_folder)),)))
+    try:
+        ns = service.start_session("", "a", PROMPT)
+        card = ns.drafter.session("a").card
+        assert card is not None and card.alive
+        deadline = time.monotonic() + 10
+        while card.cache.size == 0 and time.monotonic() < deadline:  # the worker has set its own scheduling
+            time.sleep(0.01)
+        policy = os.sched_getscheduler(card._thread.native_id)
+        # this process may run on every CPU unless the machine confined it (then the CPUs are taken as its own)
+        assert policy == (os.SCHED_IDLE if own_cpus() == 0 else os.SCHED_OTHER)
+        service.end_session("a", [3])
+    finally:
+        service.close()
+
+
+def test_a_draft_model_that_cannot_keep_up_is_reported_and_not_served(target_folder, caplog):
+    model = transformers.LlamaForCausalLM.from_pretrained(target_folder, dtype=torch.float32).eval()
+    truth = greedy_reference(model, PROMPT, 300)
+    service = DrafterService(service_config(target_folder, gate="time"))  # the default gate, weighing step times
+    drafter = service.namespace("").drafter
+    assert drafter.draft_model is not None and drafter.model_gate is not None
+    # the default gate's rule on a shorter schedule: a verdict within this short generation
+    drafter.model_gate = ModelGate(min_steps=16, phase=0.1, on_running=drafter.draft_model.set_running)
+    slow_down(drafter.draft_model.model, 0.25)  # the worker rarely has anything to add
+    server, port = create_server(service.config, "127.0.0.1:0", service)
+    try:
+        with caplog.at_level(logging.WARNING), DrafterClient(f"127.0.0.1:{port}", max_nodes=24) as client:
+            out = ReferenceEngine(model, client, max_nodes=24).generate(PROMPT, 300)
+        gate = drafter.model_gate
+    finally:
+        server.stop(0)
+        service.close()
+    assert out.tokens == truth
+    assert gate is not None and gate.verdict == "does not pay" and not gate.serving
+    assert "the draft model does not pay on this machine" in caplog.text
+    assert "it could not keep up" in caplog.text

@@ -104,3 +104,20 @@ def test_closing_stops_the_worker_promptly(model):
     t0 = time.monotonic()
     drafts.close(session)
     assert not session.alive and time.monotonic() - t0 < 2.0
+
+
+@pytest.mark.parametrize(("own", "device", "expected"), [
+    (0, "cpu", (1, 1, 8192)),  # may share every CPU with an engine: one thread, SCHED_IDLE, a small head
+    (3, "cpu", (3, 0, 8192)),  # confined to 3 CPUs of its own: a thread per CPU at normal priority
+    (0, "cuda", (0, 0, 0)),  # on a GPU: torch's threads, whole vocabulary
+])
+def test_automatic_settings_follow_the_machine(monkeypatch, own, device, expected):
+    import drafter_service.model.card as card_module
+    from drafter_service.core.config import DraftModelSpec
+
+    monkeypatch.setattr(card_module, "own_cpus", lambda: own)
+    spec = card_module.for_this_machine(DraftModelSpec("default", "somewhere", device=device))
+    assert (spec.threads, spec.card.idle_priority, spec.card.vocab) == expected
+    chosen = card_module.for_this_machine(DraftModelSpec("default", "somewhere", device=device, threads=2,
+                                                         card=CardSettings(idle_priority=0, vocab=100)))
+    assert (chosen.threads, chosen.card.idle_priority, chosen.card.vocab) == (2, 0, 100)  # what is set stays
