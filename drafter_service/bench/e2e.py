@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -19,6 +20,7 @@ from tqdm import tqdm
 from drafter_service.bench.e2e_prompts import E2E_DATASETS, Prompt, load_prompts
 from drafter_service.bench.machine import machine
 from drafter_service.bench.serve_bench import ServiceProcess
+from drafter_service.core.config import GATES
 from drafter_service.datasets.cache import atomic_output, cache_dir
 from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
 
@@ -74,12 +76,22 @@ def add_e2e_bench(bench: argparse._SubParsersAction) -> None:
                    "assisted generation with the same draft model; drafter-repeat: the same prompt again on "
                    "drafter's service right after drafter, a repeated request)")
     p.add_argument("--draft-model", default="", help=f"draft model folder (default: <cache>/{DEFAULT_DRAFT})")
-    p.add_argument("--draft-threads", type=int, default=1, help="torch threads of the service's draft model")
-    p.add_argument("--card-width", type=int, default=16, help="K of the draft model's cache")
-    p.add_argument("--card-top-k", type=int, default=4, help="k of the draft model's cache")
-    p.add_argument("--card-layers", type=int, default=6, help="layers grown ahead of the verified prefix")
-    p.add_argument("--card-vocab", type=int, default=8192, help="draft over this many of the most frequent tokens")
-    p.add_argument("--card-nice", type=int, default=0, help="CPU niceness of the service's draft model threads")
+    p.add_argument("--draft-threads", type=int, help="torch threads of the service's draft model (default: the "
+                   "service's choice for the machine)")
+    p.add_argument("--card-width", type=int, help="K of the draft model's cache (default: the service's)")
+    p.add_argument("--card-top-k", type=int, help="k of the draft model's cache (default: the service's)")
+    p.add_argument("--card-layers", type=int, help="layers grown ahead of the verified prefix (default: the "
+                   "service's)")
+    p.add_argument("--card-vocab", type=int, help="draft over this many of the most frequent tokens (default: the "
+                   "service's choice for the device)")
+    p.add_argument("--card-nice", type=int, help="CPU niceness of the service's draft model threads")
+    p.add_argument("--card-idle", type=int, choices=(-1, 0, 1), help="SCHED_IDLE for the draft model's threads "
+                   "(default: the service's choice for the machine)")
+    p.add_argument("--card-gate", choices=GATES, help="when the draft model's nodes are served (default: the "
+                   "service's)")
+    p.add_argument("--engine-cpus", default="", help="CPUs the engine runs on, e.g. 0 or 0-3 (default: all)")
+    p.add_argument("--service-cpus", default="", help="CPUs the services run on, e.g. 1 or 4-7 (default: all); "
+                   "with --engine-cpus, disjoint sets give the draft model compute of its own")
     p.add_argument("--address", default="", help="use this running service instead of starting one")
     p.add_argument("--json", default="", help="also write the per-request results here")
     p.set_defaults(func=run_e2e_bench)
@@ -109,6 +121,7 @@ class WorkloadResult:
     runs: list[Run] = field(default_factory=list)
     reuse: dict[str, float] = field(default_factory=dict)
     cache_hits: dict[str, float] = field(default_factory=dict)  # method -> draft model cache hit rate
+    gates: dict[str, str] = field(default_factory=dict)  # method -> the draft model gate's verdict at the end
 
     def of(self, method: str) -> list[Run]:
         return [r for r in self.runs if r.method == method]
@@ -245,6 +258,9 @@ def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel,
             steps = after["draft_model_steps"] - before[m]["draft_model_steps"]
             if steps:
                 result.cache_hits[m] = (after["draft_model_hits"] - before[m]["draft_model_hits"]) / steps
+            if after.get("draft_model_verdict"):
+                result.gates[m] = (f"{after['draft_model_verdict']}, {after['draft_model_ratio']:.2f}x estimated, "
+                                   f"nodes {'served' if after.get('draft_model_served') else 'not served'} at the end")
     finally:
         for client in clients.values():
             client.close()
@@ -275,6 +291,13 @@ def format_result(res: WorkloadResult) -> str:
         lines.append(f"  {method:<11} {total:>11.1f} {p50:>10.1f} {mat:>6} {vs_g:>10} {vs_p:>10} {vs_a:>10}")
     for method, rate in res.cache_hits.items():
         lines.append(f"  {method}: draft model cache hit rate {100 * rate:.1f}% of steps with its drafts")
+    for method, verdict in res.gates.items():
+        lines.append(f"  {method}: draft model gate: {verdict}")
+    free = res.of("drafter")
+    for method in (m for m in ordered if m in MODEL_METHODS and m != "hf-assist"):
+        if free and res.of(method):
+            lines.append(f"  {method} vs drafter (model-free): {_median_ratio(res.of(method), free):.2f}x "
+                         "(median of per-prompt ratios)")
     fixed = [m for m in ordered if m.startswith("fixed-")]
     if fixed and res.of("drafter") and base:
         best = max(fixed, key=lambda m: _median_ratio(res.of(m), base))
@@ -302,13 +325,34 @@ def _draft_folder(args: argparse.Namespace) -> Path:
     return folder
 
 
+#: ``drafter bench e2e`` flags passed on to each service with a draft model, when given.
+CARD_FLAGS = {"draft_threads": "--draft-threads", "card_width": "--card-width", "card_top_k": "--card-top-k",
+              "card_layers": "--card-layers", "card_vocab": "--card-vocab", "card_nice": "--card-nice",
+              "card_idle": "--card-idle", "card_gate": "--card-gate"}
+
+
 def _service_args(kind: tuple[str, ...], args: argparse.Namespace, draft: Path | None) -> list[str]:
     if not kind:
         return []
-    return ["--draft-model", str(draft), "--draft-dtype", args.dtype, "--draft-threads", str(args.draft_threads),
-            "--card-width", str(args.card_width), "--card-top-k", str(args.card_top_k),
-            "--card-layers", str(args.card_layers), "--card-vocab", str(args.card_vocab),
-            "--card-nice", str(args.card_nice), *kind[1:]]
+    given = [x for attr, flag in CARD_FLAGS.items() if getattr(args, attr) is not None
+             for x in (flag, str(getattr(args, attr)))]
+    return ["--draft-model", str(draft), "--draft-dtype", args.dtype, *given, *kind[1:]]
+
+
+def parse_cpus(text: str, flag: str) -> set[int]:
+    """CPU numbers of a list like ``0,2-3`` (empty: none)."""
+    cpus: set[int] = set()
+    try:
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise SystemExit(f"{flag} takes CPU numbers such as 0,2-3, got {text!r}") from None
+    allowed = os.sched_getaffinity(0)
+    if cpus - allowed:
+        raise SystemExit(f"{flag}: CPUs {sorted(cpus - allowed)} are not available to this process "
+                         f"({sorted(allowed)} are)")
+    return cpus
 
 
 def run_e2e_bench(args: argparse.Namespace) -> int:
@@ -326,6 +370,10 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
         raise SystemExit("drafter-repeat repeats drafter's requests: list drafter too")
     fixed_budgets(args)  # a bad list fails before the model loads
     settling_prompts([], args.engine_warm)
+    engine_cpus, service_cpus = parse_cpus(args.engine_cpus, "--engine-cpus"), parse_cpus(args.service_cpus,
+                                                                                          "--service-cpus")
+    if engine_cpus:  # before torch starts its threads, which inherit it
+        os.sched_setaffinity(0, engine_cpus)
     torch.set_num_threads(args.threads)
     print(f"machine: {machine()}", flush=True)
     if args.dtype == "auto":
@@ -345,6 +393,8 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
         assert draft_folder is not None  # hf-assist is one of MODEL_METHODS
 
         draft = load_draft_model(draft_folder, model.config.vocab_size, dtype=dtype, device=device)
+    if engine_cpus or service_cpus:
+        print(f"engine on CPUs {sorted(engine_cpus) or 'all'}, services on CPUs {sorted(service_cpus) or 'all'}")
     print(f"SmolLM2-135M-Instruct, {args.dtype}, {device}, {torch.get_num_threads()} threads, "
           f"max_new_tokens={args.max_new_tokens}, max_nodes={args.max_nodes}"
           + (f", draft model {draft_folder}" if draft_folder else ""), flush=True)
@@ -362,7 +412,7 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
                     # a fresh service per workload: what it knows comes from that workload only
                     service = ServiceProcess(Path(tmp) / method, capacity=1 << 22,
                                              extra_args=_service_args(SERVICE_METHODS.get(method, ()), args,
-                                                                      draft_folder))
+                                                                      draft_folder), cpus=service_cpus)
                     services.append(service)
                     service.start()
                     addresses[method] = service.address

@@ -60,8 +60,10 @@ def _wait_serving(address: str, timeout: float, proc: subprocess.Popen | None = 
 class ServiceProcess:
     """``drafter serve`` in a child process with its own embedded Redis."""
 
-    def __init__(self, data_dir: Path, capacity: int, extra_args: Sequence[str] = ()) -> None:
+    def __init__(self, data_dir: Path, capacity: int, extra_args: Sequence[str] = (),
+                 cpus: set[int] | None = None) -> None:
         self.data_dir, self.capacity = data_dir, capacity
+        self.cpus = cpus or None  # confine the service to these CPUs (None: wherever this process may run)
         self.extra_args = list(extra_args)
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -76,12 +78,18 @@ class ServiceProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.data_dir / "serve.log", "wb") as log:
             self.proc = subprocess.Popen([exe, "serve", "--address", self.address, "--data-dir", str(self.data_dir),
-                                          *self.extra_args], env=env, stdout=subprocess.DEVNULL, stderr=log)
+                                          *self.extra_args], env=env, stdout=subprocess.DEVNULL, stderr=log,
+                                         preexec_fn=self._confine if self.cpus else None)
         try:
             _wait_serving(self.address, 300, self.proc)
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}: {(self.data_dir / 'serve.log').read_text()[-2000:]}") from None
         return time.monotonic() - t0
+
+    def _confine(self) -> None:
+        """In the child before it runs: every thread the service starts inherits these CPUs."""
+        assert self.cpus is not None
+        os.sched_setaffinity(0, self.cpus)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None:
