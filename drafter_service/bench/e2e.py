@@ -317,7 +317,8 @@ def format_result(res: WorkloadResult) -> str:
     return "\n".join(lines)
 
 
-def _draft_folder(args: argparse.Namespace) -> Path:
+def draft_folder_of(args: argparse.Namespace) -> Path:
+    """The draft model folder a benchmark uses: ``--draft-model``, or where distill-draft puts the default one."""
     folder = Path(args.draft_model) if args.draft_model else cache_dir() / DEFAULT_DRAFT
     if not (folder / "config.json").is_file():
         raise SystemExit(f"no draft model at {folder}: train one with `drafter distill-draft --out {folder}` "
@@ -385,7 +386,7 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     model = load_smollm2(dtype)
     print(f"{args.dtype} {format_curve(measure_step_curve(model))} (256-token cache, median of 3)", flush=True)
     device = str(model.device)
-    draft_folder = _draft_folder(args) if set(methods) & set(MODEL_METHODS) else None
+    draft_folder = draft_folder_of(args) if set(methods) & set(MODEL_METHODS) else None
     draft = None
     if "hf-assist" in methods:
         from drafter_service.model.draft_model import load_draft_model

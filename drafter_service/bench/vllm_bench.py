@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from drafter_service.bench.e2e import DEFAULT_DRAFT, draft_folder_of
 from drafter_service.bench.e2e_prompts import E2E_DATASETS, load_prompts
 from drafter_service.bench.machine import machine
 from drafter_service.bench.serve_bench import ServiceProcess
@@ -23,7 +24,7 @@ from drafter_service.bench.vllm_process import Generation, VllmEngineProcess, vl
 from drafter_service.datasets.target_model import smollm2_checkpoint
 from engine_client import DrafterClient
 
-METHODS = ("none", "ngram", "suffix", "drafter", "drafter-sync", "drafter-fixed")
+METHODS = ("none", "ngram", "suffix", "drafter", "drafter-sync", "drafter-fixed", "drafter-card", "drafter-card-fixed")
 DEFAULT_METHODS = ("none", "ngram", "suffix", "drafter", "drafter-sync")
 
 #: Proposer settings of each drafter method: ``drafter`` as shipped (pre-speculation, chains cut by the engine's
@@ -31,7 +32,10 @@ DEFAULT_METHODS = ("none", "ngram", "suffix", "drafter", "drafter-sync")
 #: DRAFTER_PRESPECULATE=0), ``drafter-fixed`` with the fixed minimum estimate instead of step costs
 #: (DRAFTER_COST_AWARE=0).
 DRAFTER_ENV = {"drafter": {}, "drafter-sync": {"DRAFTER_PRESPECULATE": "0"},
-               "drafter-fixed": {"DRAFTER_COST_AWARE": "0"}}
+               "drafter-fixed": {"DRAFTER_COST_AWARE": "0"}, "drafter-card": {},
+               "drafter-card-fixed": {"DRAFTER_COST_AWARE": "0"}}
+#: Methods whose service has the draft model (``--draft-model``), with the service's defaults.
+CARD_METHODS = ("drafter-card", "drafter-card-fixed")
 
 
 def add_vllm_bench(bench: argparse._SubParsersAction) -> None:
@@ -47,6 +51,8 @@ def add_vllm_bench(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated among {', '.join(METHODS)}")
     p.add_argument("--json", help="also write the results as JSON to this file")
     p.add_argument("--engine-log", help="append the engines' own output to this file (default: discarded)")
+    p.add_argument("--draft-model", default="", help="draft model folder of the drafter-card methods (default: "
+                   f"<cache>/{DEFAULT_DRAFT})")
     p.set_defaults(func=run_vllm_bench)
 
 
@@ -95,7 +101,8 @@ def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[
     env: dict[str, str] = {}
     stats_file = workdir / f"{method}.proposer.json"
     if method in DRAFTER_ENV:
-        service = ServiceProcess(workdir / f"service-{method}", 1 << 24)
+        extra = ["--draft-model", str(draft_folder_of(args))] if method in CARD_METHODS else []
+        service = ServiceProcess(workdir / f"service-{method}", 1 << 24, extra)
         service.start()
         env = {"DRAFTER_ADDRESS": service.address, "DRAFTER_PROPOSER_STATS": str(stats_file), **DRAFTER_ENV[method]}
     runs: list[MethodRun] = []
