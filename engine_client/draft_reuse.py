@@ -21,6 +21,7 @@ import numpy as np
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
+from drafter_service.api.verify_budget import cost_points_error
 from engine_client.client_common import (
     CALLER_ERRORS,
     Backoff,
@@ -29,7 +30,6 @@ from engine_client.client_common import (
     IngestBuffer,
     check_tokens,
 )
-from engine_client.verify_budget import cost_points_error
 
 logger = logging.getLogger(__name__)
 

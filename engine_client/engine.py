@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
+from drafter_service.api.verify_budget import VerifyBudget
 from engine_client.draft_source import EMPTY_TREE, DraftSource, DraftTree, NoDrafts
 from engine_client.kv_cache import keep_block_entries, new_cache, trim_to_windows
 from engine_client.tree_attention import model_tree_mask, tree_positions
 from engine_client.verification import Verdict, greedy_verify, sample_verify
-from engine_client.verify_budget import VerifyBudget
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from drafter_service.api.verify_budget import VerifyBudget
 from engine_client.prespeculation import PreSpeculator, Tracked
-from engine_client.verify_budget import VerifyBudget
 
 __all__ = ["RequestTracker", "StepFigures", "RequestLimits"]
 

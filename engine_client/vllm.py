@@ -20,11 +20,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from drafter_service.api.verify_budget import VerifyBudget
 from engine_client.client import DrafterClient
 from engine_client.prespeculation import PreSpeculator
 from engine_client.request_tracker import RequestTracker, StepFigures
 from engine_client.security import ClientSecurity
-from engine_client.verify_budget import VerifyBudget
 
 logger = logging.getLogger(__name__)
 

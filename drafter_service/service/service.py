@@ -13,6 +13,7 @@ import numpy as np
 from drafter_service.api.errors import InvalidArgument, NotFound
 from drafter_service.api.names import DEFAULT_NAMESPACE, check_name
 from drafter_service.api.tree import EMPTY_TREE, DraftTree, TokenIds
+from drafter_service.api.verify_budget import StepCostCurve, best_prefix, cost_points_error
 from drafter_service.core.session import DraftSession
 from drafter_service.namespaces.namespace import Namespace
 from drafter_service.namespaces.stats import NamespaceStats
@@ -20,7 +21,6 @@ from drafter_service.service.auth import TRUSTED, Authorizer, Caller
 from drafter_service.service.batch import BatchEnd, BatchOutcome, BatchStart, BatchStep
 from drafter_service.service.config import ServiceConfig
 from drafter_service.service.session_routes import SessionRoutes
-from engine_client.verify_budget import StepCostCurve, best_prefix, cost_points_error
 from store.persistence import RedisPersistence
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from drafter_service.api.tree import EMPTY_TREE, DraftTree, chain
+from drafter_service.api.verify_budget import StepCostCurve, VerifyBudget
 from engine_client.draft_source import DraftSource, NoDrafts
 from engine_client.engine import GenerationResult, ReferenceEngine, default_device, greedy_reference
-from engine_client.verify_budget import StepCostCurve, VerifyBudget
 
 VOCAB = 100
 PROMPT = [5, 17, 42, 8, 99, 3, 61]  # longer than the Gemma sliding window below

@@ -6,11 +6,11 @@ import pytest
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
+from drafter_service.api.verify_budget import StepCostCurve, best_prefix
 from drafter_service.core.config import DrafterConfig
 from drafter_service.rpc.server import create_server
 from drafter_service.service.config import ServiceConfig
 from engine_client import DrafterClient, DrafterRequestError
-from engine_client.verify_budget import StepCostCurve, best_prefix
 
 CONFIG = ServiceConfig(drafter=DrafterConfig(capacity=1 << 14), default_vocab_size=100)
 DOC = [(7 * i) % 50 + 1 for i in range(120)]  # a sequence stored a few times, so drafts are long and confident

@@ -5,7 +5,13 @@ import random
 
 import pytest
 
-from engine_client.verify_budget import AcceptanceCalibration, StepCostCurve, VerifyBudget, best_prefix, consistent_tree
+from drafter_service.api.verify_budget import (
+    AcceptanceCalibration,
+    StepCostCurve,
+    VerifyBudget,
+    best_prefix,
+    consistent_tree,
+)
 
 
 def piecewise(points):
