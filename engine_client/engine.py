@@ -12,7 +12,7 @@ import torch
 
 from drafter_service.api.verify_budget import VerifyBudget
 from engine_client.draft_source import EMPTY_TREE, DraftSource, DraftTree, NoDrafts
-from engine_client.kv_cache import keep_block_entries, new_cache, trim_to_windows
+from engine_client.kv_cache import keep_block_entries, new_cache, returned_cache, trim_to_windows, with_cache
 from engine_client.tree_attention import model_tree_mask, tree_positions
 from engine_client.verification import Verdict, greedy_verify, sample_verify
 
@@ -110,7 +110,7 @@ class ReferenceEngine:
     def _forward(self, input_ids: list[int], cache: Any, mask: Any = None,
                  positions: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # (1, q) int64
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(self.model, cache),
                          use_cache=True, logits_to_keep=logits_to_keep)
         return out.logits[0]  # (q or logits_to_keep, V)
 
@@ -235,8 +235,8 @@ def greedy_reference(model: torch.nn.Module, prompt_ids: Sequence[int], max_new_
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # (1, m) int64
         cache = None
         for _ in range(max_new_tokens):
-            res = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = res.past_key_values
+            res = model(input_ids=ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
+            cache = returned_cache(res)
             tok = int(res.logits[0, -1].argmax())
             out.append(tok)
             ids = torch.tensor([[tok]], dtype=torch.long, device=device)  # (1, 1) int64

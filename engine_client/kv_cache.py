@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from collections.abc import Sequence
 from itertools import pairwise
@@ -13,7 +15,26 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["new_cache", "cache_length", "trim_to_windows", "keep_block_entries", "check_invariants"]
+__all__ = ["new_cache", "cache_length", "trim_to_windows", "keep_block_entries", "check_invariants", "with_cache",
+           "returned_cache"]
+
+
+@functools.cache
+def _cache_argument(forward: Any) -> str:
+    parameters = inspect.signature(forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def with_cache(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword argument that passes ``cache`` to ``model``'s forward: ``cache`` in the transformers releases
+    that renamed it, ``past_key_values`` in earlier ones (vLLM's environment pins one of those)."""
+    return {_cache_argument(type(model).forward): cache}
+
+
+def returned_cache(output: Any) -> Any:
+    """The cache a forward pass returned (``output.cache``, or ``output.past_key_values`` before the rename)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
 
 
 def new_cache(config: Any) -> DynamicCache:
@@ -28,7 +49,7 @@ def new_cache(config: Any) -> DynamicCache:
         config: the model's transformers config.
 
     Returns:
-        a ``DynamicCache`` to pass as ``past_key_values``.
+        a ``DynamicCache`` to pass as ``cache``.
     """
     cache = DynamicCache(config=config)
     cache.activate_past_recording()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine_client.kv_cache import keep_block_entries, new_cache
+from engine_client.kv_cache import keep_block_entries, new_cache, with_cache
 from engine_client.tree_attention import model_tree_mask, tree_positions
 
 __all__ = ["SIZES", "fastest_dtype", "format_curve", "measure_step_curve"]
@@ -39,9 +39,9 @@ def measure_step_curve(model: Any, sizes: Sequence[int] = SIZES, context: int = 
     out: dict[int, float] = {}
     with torch.inference_mode():
         cache = new_cache(model.config)
-        model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=prefix, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
         for _ in range(3):  # first-call costs (allocator, kernels) out of the way
-            model(input_ids=prefix[:, :1], past_key_values=cache, use_cache=True)
+            model(input_ids=prefix[:, :1], **with_cache(model, cache), use_cache=True)
             keep_block_entries(cache, 1, [])
         for n in sizes:
             parents = list(range(-1, n - 1))
@@ -51,7 +51,7 @@ def measure_step_curve(model: Any, sizes: Sequence[int] = SIZES, context: int = 
             times = []
             for i in range(repeats + 1):
                 t0 = time.perf_counter()
-                model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(model, cache),
                       use_cache=True)
                 if i:
                     times.append(time.perf_counter() - t0)

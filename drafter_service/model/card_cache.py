@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine_client.kv_cache import with_cache
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -350,11 +352,11 @@ class CandidateCache:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         if self.head is None:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self._kv,
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **with_cache(self.model, self._kv),
                              use_cache=True)
             return out.logits[0]  # (q, V)
         out = self.model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                       past_key_values=self._kv, use_cache=True)
+                                       **with_cache(self.model, self._kv), use_cache=True)
         return out.last_hidden_state[0] @ self.head[0].T  # (q, v)
 
     # -- queries ----------------------------------------------------------------------------------------

@@ -207,6 +207,8 @@ def decode_step_ms(model: PreTrainedModel, context: int = 64, steps: int = 32, w
     """
     import torch
 
+    from engine_client.kv_cache import returned_cache, with_cache
+
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, output_vocab_size(model), (1, context), generator=gen).to(model.device)
     times = []
@@ -215,7 +217,7 @@ def decode_step_ms(model: PreTrainedModel, context: int = 64, steps: int = 32, w
         for i in range(warmup + steps):
             token = out.logits[:, -1:].argmax(-1)
             t0 = time.perf_counter()
-            out = model(token, past_key_values=out.past_key_values, use_cache=True)
+            out = model(token, **with_cache(model, returned_cache(out)), use_cache=True)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
     return 1000.0 * statistics.median(times)

@@ -9,7 +9,14 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from engine_client.kv_cache import cache_length, check_invariants, keep_block_entries, new_cache, trim_to_windows
+from engine_client.kv_cache import (
+    cache_length,
+    check_invariants,
+    keep_block_entries,
+    new_cache,
+    trim_to_windows,
+    with_cache,
+)
 from engine_client.tree_attention import (
     ancestor_matrix,
     model_layer_types,
@@ -78,7 +85,7 @@ def tree_step(model, cache: DynamicCache, prefix_len: int, root: int, tokens: li
     mask = model_tree_mask(model.config, parents, prefix_len, model.dtype)
     pos = tree_positions(parents, prefix_len)
     out = model(input_ids=torch.tensor([[root, *tokens]]), attention_mask=mask, position_ids=pos,
-                past_key_values=cache, use_cache=True)
+                **with_cache(model, cache), use_cache=True)
     return out.logits[0]  # (n+1, V)
 
 
@@ -86,7 +93,7 @@ def prefilled(model, prefix: list[int]) -> DynamicCache:
     cache = new_cache(model.config)
     if not prefix:
         return cache
-    model(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+    model(input_ids=torch.tensor([prefix]), **with_cache(model, cache), use_cache=True)
     trim_to_windows(cache)
     return cache
 
@@ -187,7 +194,7 @@ def test_a_plain_causal_block_mask_would_be_caught(kind):
     seq = [1, 2, 3, 4, 9, 10, 11]
     with torch.inference_mode():
         cache = prefilled(model, seq[:-1])
-        out = model(input_ids=torch.tensor([[seq[-1], *tokens]]), past_key_values=cache, use_cache=True).logits[0]
+        out = model(input_ids=torch.tensor([[seq[-1], *tokens]]), **with_cache(model, cache), use_cache=True).logits[0]
         ref = causal_last_logits(model, seq + path_tokens(tokens, parents, 1))
         assert (out[2] - ref).abs().max() > 1e-3
 
@@ -236,6 +243,6 @@ def test_keep_rejects_unordered_indices_and_unrecorded_sliding_layers():
         with pytest.raises(AssertionError):
             check_invariants(cache, 4)
         plain = DynamicCache(config=model.config)  # sliding layers that forget their past
-        model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=plain, use_cache=True)
+        model(input_ids=torch.tensor([[1, 2, 3]]), **with_cache(model, plain), use_cache=True)
         with pytest.raises(ValueError):
             keep_block_entries(plain, 2, [0])

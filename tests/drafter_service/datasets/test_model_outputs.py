@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from drafter_service.datasets import model_outputs
 from drafter_service.datasets.loaders import load_dataset, read_requests, write_requests
 from drafter_service.datasets.prompts import load_prompts
+from engine_client.kv_cache import returned_cache, with_cache
 
 EOS = model_outputs.EOS
 MAX_NEW = 12
@@ -29,8 +30,8 @@ def _reference_greedy(model: LlamaForCausalLM, prompt: np.ndarray, max_new: int)
     past = None
     with torch.inference_mode():
         for _ in range(max_new):
-            res = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(input_ids=ids, **with_cache(model, past), use_cache=True)
+            past = returned_cache(res)
             token = int(res.logits[0, -1].argmax())
             out.append(token)
             if token == EOS:
