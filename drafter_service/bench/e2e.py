@@ -303,6 +303,9 @@ def format_result(res: WorkloadResult) -> str:
         best = max(fixed, key=lambda m: _median_ratio(res.of(m), base))
         lines.append(f"  best fixed budget: {best} ({_median_ratio(res.of(best), base):.2f}x greedy); drafter vs it: "
                      f"{_median_ratio(res.of('drafter'), res.of(best)):.2f}x (median of per-prompt ratios)")
+    for method in (m for m in ordered if m in SERVICE_METHODS and m != "drafter" and base):
+        same = sum(a.tokens == b.tokens for a, b in zip(base, res.of(method), strict=True))
+        lines.append(f"  {method} output equal to greedy: {same}/{len(base)} requests")
     if base and res.of("drafter"):
         same = sum(a.tokens == b.tokens for a, b in zip(base, res.of("drafter"), strict=True))
         d = res.of("drafter")
