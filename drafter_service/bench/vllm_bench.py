@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -53,6 +54,8 @@ def add_vllm_bench(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-log", help="append the engines' own output to this file (default: discarded)")
     p.add_argument("--draft-model", default="", help="draft model folder of the drafter-card methods (default: "
                    f"<cache>/{DEFAULT_DRAFT})")
+    p.add_argument("--card-args", default="", help="more `drafter serve` flags for the drafter-card methods' "
+                   "service, e.g. '--card-gate acceptance --card-idle 0' (default: the service's defaults)")
     p.set_defaults(func=run_vllm_bench)
 
 
@@ -101,7 +104,8 @@ def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[
     env: dict[str, str] = {}
     stats_file = workdir / f"{method}.proposer.json"
     if method in DRAFTER_ENV:
-        extra = ["--draft-model", str(draft_folder_of(args))] if method in CARD_METHODS else []
+        extra = ["--draft-model", str(draft_folder_of(args)), *shlex.split(args.card_args)] if (
+            method in CARD_METHODS) else []
         service = ServiceProcess(workdir / f"service-{method}", 1 << 24, extra)
         service.start()
         env = {"DRAFTER_ADDRESS": service.address, "DRAFTER_PROPOSER_STATS": str(stats_file), **DRAFTER_ENV[method]}
@@ -136,6 +140,13 @@ def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[
                 runs.append(run)
                 _progress(f"{method} on {dataset}: {run.tokens_per_step:.2f} tokens/step, {run.tokens_per_s:.1f} "
                           f"tokens/s ({time.perf_counter() - t0:.0f} s with the warm-up)")
+                if service is not None and method in CARD_METHODS:
+                    with DrafterClient(service.address) as client:
+                        s = client.stats()
+                    _progress(f"{method}: draft model gate {s.get('draft_model_verdict')}, "
+                              f"{s.get('draft_model_ratio', 0.0):.2f}x estimated, nodes "
+                              f"{'served' if s.get('draft_model_served') else 'not served'}; model steps "
+                              f"{s.get('draft_model_steps', 0)}, hits {s.get('draft_model_hits', 0)}")
     finally:
         if service is not None:
             service.stop()
