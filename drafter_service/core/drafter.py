@@ -57,13 +57,14 @@ class Drafter:
 
     def __init__(self, config: DrafterConfig | None = None, draft_model: ModelDrafts | None = None,
                  name: str = "") -> None:
-        self.config = config or DrafterConfig()
+        self.config = cfg = config or DrafterConfig()
         self.draft_model = draft_model
         gate = draft_model.settings.gate if draft_model is not None else "off"
+        if not (cfg.use_session or cfg.use_store or cfg.use_dynamic or cfg.use_frozen):
+            gate = "off"  # drafting from the model alone (``--sources none``): nothing for it to displace
         self.model_gate = None if gate == "off" else ModelGate(
             count_time=gate == "time", on_running=draft_model.set_running if draft_model else None, name=name)
         self._vocab_end = 0  # store end when the draft model's vocabulary was last chosen
-        cfg = self.config
         self.store = TokenStore(cfg.capacity, tail_tokens=cfg.tail_tokens)
         self.dynamic = LRUNGramTable(cfg.leader_len, cfg.follower_len, cfg.leader_capacity, cfg.follower_capacity)
         self.frozen: dict[str, FrozenNGramTable] = {}
