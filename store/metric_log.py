@@ -11,6 +11,7 @@ import redis
 
 from store.redis_common import StreamEntry
 from store.redis_common import redis_errors as _redis_errors
+from store.redis_connect import RedisClient
 
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
@@ -24,7 +25,7 @@ METRICS_HISTORY = 7 * 24 * 3600 // 5
 class MetricLog:
     """The metric-point part of ``RedisPersistence`` (which sets ``client``, ``metrics_key``, ``metrics_history``)."""
 
-    client: redis.Redis
+    client: RedisClient
     metrics_key: str
     metrics_history: int
 

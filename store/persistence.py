@@ -8,7 +8,6 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
-import redis
 
 from store.metric_log import METRICS_HISTORY, MetricLog
 from store.redis_common import (
@@ -20,6 +19,7 @@ from store.redis_common import (
     validate_name,
 )
 from store.redis_common import redis_errors as _redis_errors
+from store.redis_connect import RedisClient, connect, node_client, server_name
 from store.request_log import (
     APPEND_LUA,
     SEEN_SUFFIX,
@@ -29,6 +29,7 @@ from store.request_log import (
     duplicate_keys,
     record_from_entry,
 )
+from store.server_acks import ServerAcks
 from store.snapshots import SnapshotStore
 
 if TYPE_CHECKING:
@@ -50,11 +51,12 @@ return redis.call('XTRIM', KEYS[1], 'MINID', string.format('%d-0', min_end))
 
 
 
-class RedisPersistence(SnapshotStore, MetricLog):
+class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
     """Everything one namespace keeps in Redis, under keys ``drafter:v1:{<namespace>}:...``.
 
     The braces make every key of a namespace hash to one cluster slot, so the scripts and transactions
-    below work on a cluster too. Keys:
+    below work on a Redis Cluster too (all but ``drafter:formats``, a key of its own written apart); what is
+    asked of a server rather than of a key (INFO, WAITAOF, PING) goes to the node that holds that slot. Keys:
         meta       hash: format, vocab_size, end (ring slots given to all requests ever appended), store_id
         requests   stream of completed requests: t = little-endian int32 tokens, r = request id (optional),
                    p = prompt length (optional)
@@ -72,28 +74,35 @@ class RedisPersistence(SnapshotStore, MetricLog):
     Token ids are validated before anything is written, so a rejected call changes nothing.
     """
 
-    def __init__(self, client_or_url: redis.Redis | str, namespace: str, vocab_size: int | None = None,
+    def __init__(self, client_or_url: RedisClient | str, namespace: str, vocab_size: int | None = None,
                  durable: bool = True, fsync_timeout_ms: int = 5000,
-                 metrics_history: int = METRICS_HISTORY) -> None:
+                 metrics_history: int = METRICS_HISTORY, replica_acks: int = 0) -> None:
         """Connect and check (or record) the namespace's layout version and vocabulary size.
 
         Args:
-            client_or_url: a ``redis.Redis`` client without ``decode_responses``, or a ``redis://`` URL.
+            client_or_url: a ``redis.Redis`` or ``RedisCluster`` client without ``decode_responses``, or a URL
+                of one server, a Sentinel-managed primary or a cluster (``store.redis_connect.URL_FORMS``).
             namespace: the token space; validated like names.
             vocab_size: token ids must be below it; recorded at first use and checked after (None: neither).
             durable: require the server to fsync its append-only file before an append returns.
-            fsync_timeout_ms: how long an append waits for that fsync.
+            fsync_timeout_ms: how long an append waits for that fsync (and for the replicas').
             metrics_history: metric points kept (approximately: trimmed a little above it).
+            replica_acks: replicas that must hold an append (fsynced, with ``durable``) before it returns, so
+                that it survives a failover to a replica; ``ping`` is False while fewer are connected.
 
         Raises:
+            ValueError: a URL of no accepted form, or a client that decodes responses.
             PersistenceError: stored data of another layout version or vocabulary size, or ``durable``
                 with a server whose append-only file is disabled.
             PersistenceUnavailable: the server cannot be reached.
         """
         self.namespace = validate_name(namespace, "namespace")
+        if replica_acks < 0:
+            raise ValueError(f"replica_acks must be at least 0, got {replica_acks}")
+        self.client: RedisClient
         if isinstance(client_or_url, str):
-            self.client = redis.Redis.from_url(client_or_url, decode_responses=False, socket_connect_timeout=5,
-                                               socket_timeout=60, health_check_interval=30)
+            with _redis_errors("connect"):  # a cluster client reads the slot table now
+                self.client = connect(client_or_url)
         else:
             self.client = client_or_url
             if self.client.get_connection_kwargs().get("decode_responses"):
@@ -101,6 +110,7 @@ class RedisPersistence(SnapshotStore, MetricLog):
         self.vocab_size = None if vocab_size is None else int(vocab_size)
         self.durable = bool(durable)
         self.fsync_timeout_ms = int(fsync_timeout_ms)
+        self.replica_acks = int(replica_acks)
         if metrics_history < 1:
             raise ValueError(f"metrics_history must be at least 1, got {metrics_history}")
         self.metrics_history = int(metrics_history)
@@ -129,8 +139,8 @@ class RedisPersistence(SnapshotStore, MetricLog):
         pipe.hsetnx(self.meta_key, "format", FORMAT_VERSION)
         if self.vocab_size is not None:
             pipe.hsetnx(self.meta_key, "vocab_size", self.vocab_size)
-        pipe.hsetnx(_FORMATS_KEY, self.namespace, FORMAT_VERSION)
         pipe.execute()
+        self.client.hsetnx(_FORMATS_KEY, self.namespace, FORMAT_VERSION)  # another cluster slot: not in the MULTI
         meta = self.client.hgetall(self.meta_key)
         if meta.get(b"format") != str(FORMAT_VERSION).encode():
             raise PersistenceError(f"namespace {self.namespace!r} has format {meta.get(b'format')!r} in "
@@ -141,19 +151,6 @@ class RedisPersistence(SnapshotStore, MetricLog):
                                    f"not {self.vocab_size}: its tokens belong to another tokenizer")
         if self.vocab_size is None and stored is not None:
             self.vocab_size = int(stored)
-
-    def _check_durability(self) -> bool:
-        """Whether appends can wait for the fsync with WAITAOF; raise if the server does not persist."""
-        info = self.client.info("persistence")
-        if not int(info.get("aof_enabled", 0)):
-            raise PersistenceError("the Redis server has appendonly disabled, so acknowledged requests would "
-                                   "not survive its restart; enable appendonly or open with durable=False")
-        try:
-            self.client.execute_command("WAITAOF", 0, 0, 0)
-        except redis.ResponseError:
-            logger.warning("the Redis server has no WAITAOF (Redis < 7.2); appends rely on its appendfsync")
-            return False
-        return True
 
     # -- request log -----------------------------------------------------------------------------------------
 
@@ -219,27 +216,9 @@ class RedisPersistence(SnapshotStore, MetricLog):
             return []
         with _redis_errors("append requests"):
             replies = self._append_and_wait(keys, args)
-        if self._wait_aof and int(replies[1][0]) < 1:
-            raise PersistenceError(f"the server did not fsync {len(docs)} appended requests within "
-                                   f"{self.fsync_timeout_ms} ms; they may be lost on a crash")
+        if self._wait_aof or self.replica_acks:
+            self._check_acks(replies[1], len(docs))
         return [i.decode() or None for i in replies[0]]
-
-    def _append_and_wait(self, keys: list[str], args: list) -> list:
-        """Run the append script and WAITAOF in one round trip (loading the script first if the server lost it)."""
-        for attempt in range(2):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.evalsha(self._append.sha, len(keys), *keys, *args)
-            if self._wait_aof:
-                pipe.execute_command("WAITAOF", 1, 0, self.fsync_timeout_ms)
-            replies = pipe.execute(raise_on_error=False)
-            if attempt == 0 and isinstance(replies[0], redis.exceptions.NoScriptError):
-                self.client.script_load(APPEND_LUA)  # nothing was written
-                continue
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply
-            return replies
-        raise AssertionError("unreachable")
 
     def iter_requests(self, after: str = "0-0", batch: int = 1000) -> Iterator[tuple[str, np.ndarray, str | None]]:
         """Stream the logged requests after stream id ``after``, oldest first.
@@ -374,23 +353,18 @@ class RedisPersistence(SnapshotStore, MetricLog):
 
     # -- health ----------------------------------------------------------------------------------------------
 
-    def ping(self) -> bool:
-        """True when the server answers."""
-        try:
-            return bool(self.client.ping())
-        except redis.RedisError:
-            return False
-
     def info(self) -> dict:
-        """Server facts for statistics: version, memory, append-only file state, requests held."""
+        """Facts of the server that holds the namespace, for statistics: its address, version, memory,
+        append-only file state, connected replicas; and the requests held."""
         with _redis_errors("read server info"):
-            info = self.client.info()
+            info = node_client(self.client, self.meta_key).info()
             count = self.client.xlen(self.stream_key)
         keys = ("redis_version", "valkey_version", "used_memory", "used_memory_human", "aof_enabled",
                 "aof_last_write_status", "aof_last_bgrewrite_status", "aof_rewrite_in_progress",
-                "aof_current_size", "aof_base_size")
+                "aof_current_size", "aof_base_size", "connected_slaves")
         out = {k: info[k] for k in keys if k in info}
-        out.update(namespace=self.namespace, requests=int(count), last_id=self.last_id())
+        out.update(server=server_name(self.client, self.meta_key), namespace=self.namespace, requests=int(count),
+                   last_id=self.last_id())
         return out
 
     def drop(self) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import redis
+from redis.exceptions import RedisClusterException
 
 FORMAT_VERSION = 1
 """Layout version of every key; part of each key name and recorded per namespace."""
@@ -40,8 +41,9 @@ def validate_name(name: str, what: str = "name") -> str:
 
 @contextmanager
 def redis_errors(action: str) -> Iterator[None]:
-    """Turn Redis client errors raised inside into PersistenceUnavailable naming ``action``."""
+    """Turn Redis client errors raised inside (a cluster client's own included) into PersistenceUnavailable
+    naming ``action``."""
     try:
         yield
-    except redis.RedisError as exc:
+    except (redis.RedisError, RedisClusterException) as exc:
         raise PersistenceUnavailable(f"Redis failed to {action}: {exc}") from exc

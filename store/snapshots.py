@@ -15,6 +15,7 @@ import redis
 from store.frozen_table import FrozenNGramTable
 from store.redis_common import FORMAT_VERSION, PersistenceError, validate_name
 from store.redis_common import redis_errors as _redis_errors
+from store.redis_connect import RedisClient, RedisPipeline
 from store.table_codec import Items, decode_items, encode_items
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ class SnapshotStore:
     """The snapshot part of ``RedisPersistence`` (which sets ``client``, ``prefix``, ``namespace``,
     ``vocab_size``, ``table_key``, ``model_key`` and ``frozen_set_key``)."""
 
-    client: redis.Redis
+    client: RedisClient
     prefix: str
     namespace: str
     vocab_size: int | None
@@ -40,7 +41,7 @@ class SnapshotStore:
     # -- blobs -----------------------------------------------------------------------------------------------
 
     def _write_blobs(self, key: str, header: dict, arrays: dict[str, np.ndarray],
-                     extra: Callable[[redis.client.Pipeline], object] | None = None) -> None:
+                     extra: Callable[[RedisPipeline], object] | None = None) -> None:
         """Write ``arrays`` (chunked) and ``header`` to a temporary key, then rename it onto ``key``.
 
         ``extra`` adds commands to the transaction that renames, so they take effect together.
@@ -61,7 +62,7 @@ class SnapshotStore:
                 pipe.hset(temp, "header", json.dumps(header))
                 pipe.execute()
                 tx = self.client.pipeline(transaction=True)
-                tx.rename(temp, key)
+                tx.execute_command("RENAME", temp, key)  # a cluster pipeline refuses .rename(); one slot here
                 tx.persist(key)
                 if extra is not None:
                     extra(tx)
@@ -174,7 +175,7 @@ class SnapshotStore:
             self._frozen_changed(tx, name, "remove")
             return bool(tx.execute()[0])
 
-    def _frozen_changed(self, tx: redis.client.Pipeline, name: str, op: str) -> None:
+    def _frozen_changed(self, tx: RedisPipeline, name: str, op: str) -> None:
         """Add to ``tx``: the table's entry in the set of names, and the event that tells other replicas."""
         if op == "put":
             tx.sadd(self.frozen_set_key, name)
