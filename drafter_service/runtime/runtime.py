@@ -57,7 +57,7 @@ class Runtime:
             url = self.redis.url
             logger.info("embedded Redis on %s, data in %s", url, cfg.data_dir)
         self.service = DrafterService(cfg, lambda name, vocab: RedisPersistence(
-            url, name, vocab_size=vocab, metrics_history=cfg.metrics_history))
+            url, name, vocab_size=vocab, metrics_history=cfg.metrics_history, replica_acks=cfg.redis_replica_acks))
         if cfg.rebuild_in_subprocess:
             self._worker = IndexWorker()
             for ns in self.service.namespaces.values():

@@ -10,6 +10,7 @@ from drafter_service.api.names import DEFAULT_NAMESPACE, check_name
 from drafter_service.core.config import DRAFT_MODEL, DRAFTING, DrafterConfig, DraftModelSpec
 from drafter_service.core.settings import setting
 from drafter_service.service.auth import parse_namespace_tokens
+from store.redis_connect import parse_redis_url
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,14 @@ class ServiceConfig:
     data_dir: str = field(default="./drafter-data", metadata=setting(
         "--data-dir", "data folder of the embedded Redis (without --redis-url)", STORAGE))
     redis_url: str = field(default="", metadata=setting(
-        "--redis-url", "use this Redis instead of the embedded one", STORAGE))
+        "--redis-url", "use this Redis instead of the embedded one: redis://[:PASSWORD@]HOST:PORT[/DB] (rediss:// for "
+        "TLS, unix://PATH); redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER[/DB] for the primary that "
+        "these sentinels name MASTER, followed through failovers; redis+cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT...] "
+        "for a Redis Cluster (each namespace lives on the node of its hash slot)", STORAGE))
+    redis_replica_acks: int = field(default=0, metadata=setting(
+        "--redis-replica-acks", "replicas of the Redis primary that must hold each stored request (fsynced) before "
+        "it is acknowledged, so that a failover to one of them (Sentinel, Cluster) loses none; while fewer are "
+        "connected, requests wait in the spool (0: the primary alone; needs --redis-url)", STORAGE))
     namespaces: tuple[NamespaceSpec, ...] = field(default=(), metadata=setting(
         "--namespaces", "extra namespaces as NAME=VOCAB_SIZE[,NAME=VOCAB_SIZE...] (the default namespace is added "
         "with --vocab-size when not listed)", DRAFTING, parse=parse_namespaces))
@@ -202,6 +210,12 @@ class ServiceConfig:
             raise ValueError(f"replica_id must be at most 128 printable characters without spaces, "
                              f"got {self.replica_id!r}")
 
+        if self.redis_url:
+            parse_redis_url(self.redis_url)  # ValueError naming the accepted forms
+        if self.redis_replica_acks < 0:
+            raise ValueError(f"redis_replica_acks must be at least 0, got {self.redis_replica_acks}")
+        if self.redis_replica_acks and not self.redis_url:
+            raise ValueError("redis_replica_acks needs redis_url: the embedded Redis has no replicas")
         if self.spool_max_bytes < 0 or 0 < self.spool_max_bytes < 4096:
             raise ValueError(f"spool_max_bytes must be 0 (no spool) or at least 4096, got {self.spool_max_bytes}")
 
