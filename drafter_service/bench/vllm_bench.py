@@ -35,8 +35,10 @@ DEFAULT_METHODS = ("none", "ngram", "suffix", "drafter", "drafter-sync")
 DRAFTER_ENV = {"drafter": {}, "drafter-sync": {"DRAFTER_PRESPECULATE": "0"},
                "drafter-fixed": {"DRAFTER_COST_AWARE": "0"}, "drafter-card": {},
                "drafter-card-fixed": {"DRAFTER_COST_AWARE": "0"}}
-#: Methods whose service has the draft model (``--draft-model``), with the service's defaults.
-CARD_METHODS = ("drafter-card", "drafter-card-fixed")
+#: Methods whose service has the draft model (``--draft-model``), with the flags each adds to the service's defaults:
+#: ``drafter-card`` as shipped; ``drafter-card-fixed`` compares acceptance alone (the proposer's cost cut off, the
+#: model's nodes served while they raise acceptance, whatever they cost).
+CARD_METHODS = {"drafter-card": (), "drafter-card-fixed": ("--card-gate", "acceptance")}
 
 
 def add_vllm_bench(bench: argparse._SubParsersAction) -> None:
@@ -104,7 +106,7 @@ def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[
     env: dict[str, str] = {}
     stats_file = workdir / f"{method}.proposer.json"
     if method in DRAFTER_ENV:
-        extra = ["--draft-model", str(draft_folder_of(args)), *shlex.split(args.card_args)] if (
+        extra = ["--draft-model", str(draft_folder_of(args)), *CARD_METHODS[method], *shlex.split(args.card_args)] if (
             method in CARD_METHODS) else []
         service = ServiceProcess(workdir / f"service-{method}", 1 << 24, extra)
         service.start()
