@@ -85,10 +85,10 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
             namespace: the token space; validated like names.
             vocab_size: token ids must be below it; recorded at first use and checked after (None: neither).
             durable: require the server to fsync its append-only file before an append returns.
-            fsync_timeout_ms: how long an append waits for that fsync (and for the replicas').
+            fsync_timeout_ms: how long an append waits for that fsync (and as long again for the replicas).
             metrics_history: metric points kept (approximately: trimmed a little above it).
-            replica_acks: replicas that must hold an append (fsynced, with ``durable``) before it returns, so
-                that it survives a failover to a replica; ``ping`` is False while fewer are connected.
+            replica_acks: replicas that must have received an append before it returns (WAIT), so that it
+                survives a failover to one of them; ``ping`` is False while fewer are connected.
 
         Raises:
             ValueError: a URL of no accepted form, or a client that decodes responses.
@@ -216,8 +216,7 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
             return []
         with _redis_errors("append requests"):
             replies = self._append_and_wait(keys, args)
-        if self._wait_aof or self.replica_acks:
-            self._check_acks(replies[1], len(docs))
+        self._check_acks(replies[1:], len(docs))
         return [i.decode() or None for i in replies[0]]
 
     def iter_requests(self, after: str = "0-0", batch: int = 1000) -> Iterator[tuple[str, np.ndarray, str | None]]:

@@ -16,6 +16,7 @@ from store.embedded_redis import EmbeddedRedis, free_port, server_binary
 
 SLOTS = 16384
 MASTER = "drafter-primary"
+REPLICATION_ARGS = ("--repl-diskless-sync-delay", "0")  # a replica's full sync starts at once, not after 5 s
 
 
 def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> None:
@@ -119,7 +120,7 @@ class SentinelSet:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.sentinels: list[EmbeddedRedis] = []
-        self.primary = EmbeddedRedis(root / "a")
+        self.primary = EmbeddedRedis(root / "a", extra_args=REPLICATION_ARGS)
         self.replica: EmbeddedRedis | None = None
         try:
             self.primary.start()
@@ -136,7 +137,7 @@ class SentinelSet:
     def replica_of(primary: EmbeddedRedis, data_dir: Path, port: int = 0) -> EmbeddedRedis:
         """Start a server replicating ``primary`` and wait until its link is up."""
         replica = EmbeddedRedis(data_dir, port=port,
-                                extra_args=("--replicaof", primary.host, str(primary.port))).start()
+                                extra_args=("--replicaof", primary.host, str(primary.port), *REPLICATION_ARGS)).start()
         wait_until(lambda: plain(replica).info("replication").get("master_link_status") == "up", 30,
                    f"{replica.url} to replicate {primary.url}")
         return replica

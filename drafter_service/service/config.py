@@ -79,9 +79,9 @@ class ServiceConfig:
         "these sentinels name MASTER, followed through failovers; redis+cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT...] "
         "for a Redis Cluster (each namespace lives on the node of its hash slot)", STORAGE))
     redis_replica_acks: int = field(default=0, metadata=setting(
-        "--redis-replica-acks", "replicas of the Redis primary that must hold each stored request (fsynced) before "
-        "it is acknowledged, so that a failover to one of them (Sentinel, Cluster) loses none; while fewer are "
-        "connected, requests wait in the spool (0: the primary alone; needs --redis-url)", STORAGE))
+        "--redis-replica-acks", "replicas of the Redis primary that must have received each stored request (WAIT) "
+        "before it is acknowledged, so that a failover to one of them (Sentinel, Cluster) loses none; while fewer "
+        "are connected, requests wait in the spool (0: the primary alone; needs --redis-url)", STORAGE))
     namespaces: tuple[NamespaceSpec, ...] = field(default=(), metadata=setting(
         "--namespaces", "extra namespaces as NAME=VOCAB_SIZE[,NAME=VOCAB_SIZE...] (the default namespace is added "
         "with --vocab-size when not listed)", DRAFTING, parse=parse_namespaces))
