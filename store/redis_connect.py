@@ -170,7 +170,7 @@ def node_client(client: RedisClient, key: str) -> redis.Redis:
     """The client of the one server that holds ``key``: ``client`` itself unless it is a cluster's.
 
     Commands about a server rather than a key (INFO, WAITAOF, PING) go there, and so does a pipeline that must
-    run on one connection (a write followed by the WAITAOF that waits for it).
+    run on one connection (a write followed by the WAITAOF and WAIT that wait for it).
 
     Raises:
         redis.RedisError, redis.exceptions.RedisClusterException: the cluster has no node for the key's slot.
@@ -189,7 +189,7 @@ def refresh_slots(client: RedisClient) -> None:
         try:
             client.nodes_manager.initialize()
         except Exception as exc:  # reported; the caller's own error is the one raised
-            logger.warning("could not read the cluster's slot table again: %s", exc)
+            logger.debug("could not read the cluster's slot table again: %s", exc)
 
 
 def server_name(client: RedisClient, key: str) -> str:
