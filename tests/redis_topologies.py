@@ -27,7 +27,7 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str, inter
         try:
             if condition():
                 return
-        except Exception as exc:  # noqa: BLE001 - a server still starting
+        except Exception as exc:  # a server still starting
             last = exc
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last error: {last!r})")
