@@ -443,7 +443,8 @@ def add_distill_command(sub: argparse._SubParsersAction) -> None:
                    help="target layers that initialise the draft's: evenly spread (first and last included) "
                    "or the first ones")
     data = p.add_argument_group("data (at least one source)")
-    data.add_argument("--redis-url", help="read the stored requests of --namespace from this Redis")
+    data.add_argument("--redis-url", help="read the stored requests of --namespace from this Redis (redis://, "
+                      "rediss://, unix://, redis+sentinel:// or redis+cluster://, as drafter serve takes it)")
     data.add_argument("--data-dir", help="read them from a `drafter serve --data-dir` folder (starts its "
                       "embedded Redis; not while a server uses the folder)")
     data.add_argument("--namespace", default="default", help="namespace for --redis-url / --data-dir")
