@@ -15,8 +15,9 @@ product pays:
 
 The model pays while ``(1 + model tokens) / (1 + model-free tokens) * min(1, paused interval / running interval)``
 exceeds ``1 + margin`` (tokens: confirmed tokens per step, so the ratio is tokens per second). Until enough steps of
-each kind were seen it does not serve; once it pays the worker pauses for short measuring phases only; once it does
-not, the worker runs for short probes only, further apart while the verdict stands. With ``count_time`` False (the
+each kind were seen it does not serve; acceptance alone decides sooner when it shows no gain, since time can only
+lower the ratio. Once it pays the worker pauses for short measuring phases only; once it does not, the worker runs
+for short probes only, further apart while the verdict stands. With ``count_time`` False (the
 model has compute of its own, or a replay in which time does not count) the worker always runs and acceptance
 alone decides.
 """
@@ -137,7 +138,7 @@ class ModelGate:
 
     def ratio(self) -> float:
         """Estimated tokens per second with the model's nodes over without them (1.0 while unmeasured)."""
-        gain = (1.0 + self._model.value) / (1.0 + self._free.value)
+        gain = self._gain()
         if not self.count_time:
             return gain
         run, paused = self._intervals[True].value, self._intervals[False].value
@@ -147,7 +148,12 @@ class ModelGate:
     def _measured(self) -> bool:
         if self._model.count < self.min_steps:
             return False
-        return not self.count_time or min(m.count for m in self._intervals.values()) >= self.min_steps
+        if not self.count_time or self._gain() <= 1.0 + self.margin:
+            return True  # time can only lower the ratio: acceptance alone says it does not pay
+        return min(m.count for m in self._intervals.values()) >= self.min_steps
+
+    def _gain(self) -> float:
+        return (1.0 + self._model.value) / (1.0 + self._free.value)
 
     def tick(self) -> None:
         """Advance the phase schedule and revise the verdict; call on every step (cheap between phase ends)."""

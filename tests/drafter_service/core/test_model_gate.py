@@ -102,3 +102,13 @@ def test_intervals_spanning_a_phase_change_do_not_count():
     gate = ModelGate(clock=clock)
     gate.record_interval(1.0, True, gate.phase_id + 1)
     assert gate.figures().running_interval_ms == 0
+
+
+def test_no_acceptance_gain_is_a_verdict_without_waiting_for_step_times():
+    clock = Clock()
+    gate = ModelGate(clock=clock, min_steps=20)
+    for _ in range(20):
+        gate.record(1, 1, model_empty=True)
+    clock.now += gate.phase  # one phase: no paused interval measured yet
+    gate.tick()
+    assert gate.verdict == "does not pay" and not gate.serving
