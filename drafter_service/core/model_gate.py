@@ -98,7 +98,7 @@ class ModelGate:
     """
 
     def __init__(self, count_time: bool = True, phase: float = 0.5, min_steps: int = 48, margin: float = 0.03,
-                 probe_gap: float = 5.0, max_probe_gap: float = 60.0, memory: float = 400.0,
+                 probe_gap: float = 20.0, max_probe_gap: float = 300.0, memory: float = 400.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_running: Callable[[bool], None] | None = None, name: str = "") -> None:
         self.count_time, self.phase, self.min_steps, self.margin = count_time, phase, min_steps, margin
