@@ -37,8 +37,8 @@ DRAFTER_ENV = {"drafter": {}, "drafter-sync": {"DRAFTER_PRESPECULATE": "0"},
                "drafter-card-fixed": {"DRAFTER_COST_AWARE": "0"}}
 #: Methods whose service has the draft model (``--draft-model``), with the flags each adds to the service's defaults:
 #: ``drafter-card`` as shipped; ``drafter-card-fixed`` compares acceptance alone (the proposer's cost cut off, the
-#: model's nodes served while they raise acceptance, whatever they cost).
-CARD_METHODS = {"drafter-card": (), "drafter-card-fixed": ("--card-gate", "acceptance")}
+#: model at normal priority and its nodes served while they raise acceptance, whatever they cost).
+CARD_METHODS = {"drafter-card": (), "drafter-card-fixed": ("--card-gate", "acceptance", "--card-idle", "0")}
 
 
 def add_vllm_bench(bench: argparse._SubParsersAction) -> None:
