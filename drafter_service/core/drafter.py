@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -210,20 +210,23 @@ class Drafter:
             raise InvalidArgument(f"max_nodes must be >= 0, got {max_nodes}")
         return self.draft(self.session(session_id), max_nodes)
 
-    def draft(self, sess: DraftSession, max_nodes: int = 0) -> DraftTree:
-        """Draft a tree for a live session within ``max_nodes`` (>= 0; 0: the session's default)."""
+    def draft(self, sess: DraftSession, max_nodes: int = 0,
+              cut: Callable[[DraftTree], DraftTree] | None = None) -> DraftTree:
+        """Draft a tree for a live session within ``max_nodes`` (>= 0; 0: the session's default).
+
+        ``cut`` is what the caller will do to the tree before the engine verifies it (the engine's cost cut): the
+        model gate scores the trees with and without the draft model's nodes as each would have been cut.
+        """
         cfg = self.config
+        gate = self.model_gate
+        if gate is not None and sess.card is not None:
+            gate.tick()
         repeating = sess.repeat is not None
         budget = (max_nodes or sess.max_nodes) if repeating else sess.budget(max_nodes)
         tokens = sess.tokens
         if budget == 0 or tokens.size == 0:
             return EMPTY_TREE
-        gate = self.model_gate
-        model_tree = EMPTY_TREE
-        if sess.card is not None:
-            if gate is not None:
-                gate.tick()
-            model_tree = sess.card.query(budget)
+        model_tree = sess.card.query(budget) if sess.card is not None else EMPTY_TREE
         rows: list[RowsSource] = []
         if cfg.use_session:
             found = sess.lookup(cfg.max_match, cfg.max_occurrences, cfg.max_depth)
@@ -246,7 +249,7 @@ class Drafter:
         served = merge_trees(tree, model_tree, budget) if len(model_tree) else tree
         if gate is not None and sess.card is not None:
             if gate.running:  # scored against the outcome; a paused worker's cache says nothing of the model
-                sess.model_shadow = (tree, served, not len(model_tree))
+                sess.model_shadow = ((cut(tree), cut(served)) if cut else (tree, served)) + (not len(model_tree),)
             if not gate.serving:
                 served = tree
         if sess.repeat is not None:

@@ -91,6 +91,8 @@ class ModelGate:
         min_steps: steps of each kind (shadow-scored, running, paused) before a verdict.
         margin: the ratio must exceed ``1 + margin`` for the model to be served.
         probe_gap: seconds between probes while the model does not pay, doubling up to ``max_probe_gap``.
+        max_learning: seconds of learning after which a model still unmeasured does not pay (the engine asked for
+            too few drafts for it to matter).
         memory: samples over which the means decay.
         clock: monotonic seconds.
         on_running: called with the new worker state whenever it changes (from the thread that recorded a step).
@@ -98,11 +100,13 @@ class ModelGate:
     """
 
     def __init__(self, count_time: bool = True, phase: float = 0.5, min_steps: int = 48, margin: float = 0.03,
-                 probe_gap: float = 20.0, max_probe_gap: float = 300.0, memory: float = 400.0,
+                 probe_gap: float = 20.0, max_probe_gap: float = 300.0, max_learning: float = 60.0,
+                 memory: float = 400.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_running: Callable[[bool], None] | None = None, name: str = "") -> None:
         self.count_time, self.phase, self.min_steps, self.margin = count_time, phase, min_steps, margin
         self.first_probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
+        self._learn_until = clock() + max_learning
         self.clock, self.on_running, self.name = clock, on_running, name
         self._lock = threading.Lock()
         self._model = _Mean(memory)
@@ -166,6 +170,8 @@ class ModelGate:
             before = self.verdict
             if self._measured():
                 self.verdict = "pays" if self.ratio() > 1.0 + self.margin else "does not pay"
+            elif self.verdict == "learning" and now >= self._learn_until:
+                self.verdict = "does not pay"  # too few drafted steps to measure: the model cannot matter much
             if self.verdict != before:
                 self._probe_gap = self.first_probe_gap
                 self._announce(before)
@@ -201,6 +207,8 @@ class ModelGate:
         if self.count_time and f.running_interval_ms and f.paused_interval_ms:
             detail += (f"; steps take {f.running_interval_ms:.1f} ms while it runs against "
                        f"{f.paused_interval_ms:.1f} ms while it is paused")
+        if self._model.count < self.min_steps:
+            detail += f"; only {self._model.count} drafted steps to score it on"
         if f.empty_share > 0.5:
             detail += f"; it could not keep up: nothing to add at {100 * f.empty_share:.0f}% of steps"
         if self.verdict == "does not pay":

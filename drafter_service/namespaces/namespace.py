@@ -112,7 +112,8 @@ class Namespace:
     # -- requests -------------------------------------------------------------------------------------
 
     def draft(self, sess: DraftSession, accepted: np.ndarray, max_nodes: int, report_only: bool = False,
-              step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> tuple[DraftTree, int]:
+              step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
+              cut: Callable[[DraftTree], DraftTree] | None = None) -> tuple[DraftTree, int]:
         """Correct the session with ``accepted``, then draft; returns the tree and the draft tokens confirmed.
 
         Args:
@@ -122,6 +123,7 @@ class Namespace:
             report_only: nothing is drafted (the engine drafts from an earlier tree) and the tree is empty.
             step_seconds: the verification step that produced ``accepted`` (statistics only; 0: not reported).
             plain_step_seconds: the engine's plain decode step now (statistics only; see ``estimated_speedup``).
+            cut: what the caller does to the tree before the engine verifies it (see ``Drafter.draft``).
 
         Raises:
             NotFound: the session has ended.
@@ -140,7 +142,7 @@ class Namespace:
                 c.confirmed_tokens += confirmed.tokens
                 c.count_sources(c.confirmed_by_source, confirmed.sources, confirmed.tokens)
             return EMPTY_TREE, confirmed.tokens
-        tree = d.draft(sess, max_nodes)
+        tree = d.draft(sess, max_nodes, cut)
         latency_ns = time.perf_counter_ns() - t0
         with c.lock:
             c.record_step(steps, step_seconds, plain_step_seconds)

@@ -34,6 +34,16 @@ PersistenceFactory = Callable[[str, int], RedisPersistence | None]
 """(namespace name, vocab size) -> a persistence object for it, or None for memory only."""
 
 
+def cost_cut(curve: StepCostCurve, exponent: float) -> Callable[[DraftTree], DraftTree]:
+    """A tree cut to the prefix that maximises the engine's expected tokens per second (``best_prefix``); the best
+    node stays when drafting does not pay, for the engine to probe with when it chooses."""
+    def cut(tree: DraftTree) -> DraftTree:
+        if not len(tree):
+            return tree
+        return tree.prefix(max(1, best_prefix(tree.probs, curve, exponent=exponent, parents=tree.parents)))
+    return cut
+
+
 class DrafterService:
     """Every namespace of one service, and which namespace each live session belongs to."""
 
@@ -177,22 +187,21 @@ class DrafterService:
         error = cost_points_error(cost_nodes, cost_seconds, estimate_exponent)
         if error:
             raise InvalidArgument(error)
-        curve = StepCostCurve.from_points(cost_nodes, cost_seconds) if len(cost_nodes) else None
+        cut = cost_cut(StepCostCurve.from_points(cost_nodes, cost_seconds), estimate_exponent or 1.0) if len(
+            cost_nodes) else None
         tree, confirmed = self._draft_step(session_id, accepted, max_nodes, report_only, step_seconds,
-                                           plain_step_seconds, caller or TRUSTED)
-        if curve is not None and len(tree):  # the best node stays, for the engine to probe with when it chooses
-            tree = tree.prefix(max(1, best_prefix(tree.probs, curve, exponent=estimate_exponent or 1.0,
-                                                  parents=tree.parents)))
-        return tree, confirmed
+                                           plain_step_seconds, caller or TRUSTED, cut)
+        return (cut(tree) if cut else tree), confirmed
 
     def _draft_step(self, session_id: str, accepted: TokenIds, max_nodes: int, report_only: bool,
-                    step_seconds: float, plain_step_seconds: float, caller: Caller) -> tuple[DraftTree, int]:
+                    step_seconds: float, plain_step_seconds: float, caller: Caller,
+                    cut: Callable[[DraftTree], DraftTree] | None = None) -> tuple[DraftTree, int]:
         """``draft`` once the step times are known to be valid (a batch checks them once for all its steps)."""
         self._check_tokens(accepted, "accepted")
         self._check_budget(max_nodes)
         ns, sess = self.sessions.get(caller, session_id)  # another scope's session is NOT_FOUND
         ids = self._accepted(ns, sess, session_id, accepted)
-        return ns.draft(sess, ids, max_nodes, report_only, step_seconds, plain_step_seconds)
+        return ns.draft(sess, ids, max_nodes, report_only, step_seconds, plain_step_seconds, cut)
 
     def draft_batch(self, starts: Sequence[BatchStart], steps: Sequence[BatchStep], ends: Sequence[BatchEnd],
                     max_nodes: int = 0, step_seconds: float = 0.0, plain_step_seconds: float = 0.0,

@@ -112,3 +112,16 @@ def test_no_acceptance_gain_is_a_verdict_without_waiting_for_step_times():
     clock.now += gate.phase  # one phase: no paused interval measured yet
     gate.tick()
     assert gate.verdict == "does not pay" and not gate.serving
+
+
+def test_learning_ends_when_the_engine_asks_for_too_few_drafts():
+    clock = Clock()
+    gate = ModelGate(clock=clock, max_learning=30.0)
+    while clock.now < 20.0:  # steps, but none drafted: nothing to score
+        gate.tick()
+        clock.now += 0.02
+    assert gate.verdict == "learning"
+    while clock.now < 31.0:
+        gate.tick()
+        clock.now += 0.02
+    assert gate.verdict == "does not pay" and not gate.serving
