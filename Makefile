@@ -87,8 +87,15 @@ bench-peers: $(STAMP)
 	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" PATH="$(abspath $(VENV))/bin:$$PATH" \
 		$(PY) -m pip install --no-deps --no-build-isolation arctic-inference==0.3.0
 
-bench: $(STAMP)
-	$(VENV)/bin/drafter bench replay --dataset mtbench --dataset sharegpt --dataset humaneval --budget 32 --budget 8
+# Rerun the headline benchmarks and rewrite their tables in README.md and docs/benchmarks.md (with the command, the
+# machine and the date). Long: tens of minutes on a 2-core machine.
+bench: bench-peers
+	$(VENV)/bin/drafter bench replay --dataset mtbench --dataset humaneval --dataset sharegpt --budget 32 --budget 8 \
+		--frozen-corpus sharegpt --frozen-skip 3000 --frozen-limit 10000 --no-oracle \
+		--write-doc README.md:replay --write-doc docs/benchmarks.md:replay
+	$(VENV)/bin/drafter bench e2e --dataset gsm8k --dataset humaneval --dataset sharegpt --warm 16 --requests 6 \
+		--max-new-tokens 128 --methods greedy,drafter,hf-pld \
+		--write-doc README.md:e2e --write-doc docs/benchmarks.md:e2e
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from drafter_service.bench.batch_bench import add_batch_bench
 from drafter_service.bench.corpus_bench import add_corpus_bench
+from drafter_service.bench.doc_blocks import DocBlockError, add_doc_flag, parse_targets, write_doc_blocks
 from drafter_service.bench.e2e import add_e2e_bench
 from drafter_service.bench.ngram_mod import NGramModDrafter
 from drafter_service.bench.oracle import RetrievalOracle, SeenPrefixes
@@ -90,6 +91,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("--card-layers", type=int, default=6,
                     help="layers the draft model grows per verification step (the communication ratio)")
     rp.add_argument("--card-vocab", type=int, default=8192, help="draft over this many of the most frequent tokens")
+    add_doc_flag(rp)
     rp.add_argument("--card-gate", choices=GATES, default="acceptance",
                     help="when the model's nodes are served (drafter serve's --card-gate; the replay's default "
                     "weighs acceptance alone, since time does not count in it)")
@@ -171,6 +173,10 @@ def run_replay(args: argparse.Namespace) -> int:
     rows = rows or [("tree", 32)]
     if any(n < 1 for _, n in rows):
         raise SystemExit("--budget and --chain must be at least 1")
+    try:
+        parse_targets(args.write_doc)
+    except DocBlockError as exc:
+        raise SystemExit(str(exc)) from None
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     card_variants(args.card_variants)  # a bad list fails before anything loads
     frozen = {args.frozen_corpus: _frozen_table(args)} if args.frozen_corpus else {}
@@ -208,6 +214,8 @@ def run_replay(args: argparse.Namespace) -> int:
                     results.append(replay_hindsight(chosen, reqs, budget, name, progress=lambda _: bar.update(),
                                                     mode=mode))
     print(format_table(results))
+    if args.write_doc:
+        write_doc_blocks(args.write_doc, format_headline(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.as_dict() for r in results], f, indent=1)
@@ -320,6 +328,31 @@ def _warmed(name: str) -> bool:
 
 def _is_oracle(name: str) -> bool:
     return name.startswith("oracle")
+
+
+def format_headline(results: Sequence[ReplayResult]) -> str:
+    """The README's table: per data set and budget, drafter's MAT (with a frozen table where one ran) against the
+    best peer's."""
+    groups: dict[tuple[str, str], list[ReplayResult]] = {}
+    for r in results:
+        if not _warmed(r.drafter) and not _is_oracle(r.drafter) and not _is_hindsight(r.drafter):
+            groups.setdefault((r.dataset, r.label), []).append(r)
+    frozen = any(r.drafter == "drafter+frozen" for r in results)
+    lines = ["| data set | budget | drafter | " + ("drafter+frozen | " if frozen else "")
+             + "best peer | drafter vs best peer |", "|---|---|---|" + ("---|" if frozen else "") + "---|---|"]
+    for (dataset, label), rs in groups.items():
+        by = {r.drafter: r for r in rs}
+        peers = [r for r in rs if not _is_ours(r.drafter)]
+        if "drafter" not in by:
+            continue
+        ours = by["drafter"].mat
+        best = max(peers, key=lambda r: r.mat) if peers else None
+        cells = [dataset, label, f"{ours:.3f}"]
+        if frozen:
+            cells.append(f"{by['drafter+frozen'].mat:.3f}" if "drafter+frozen" in by else "")
+        cells += [f"{best.mat:.3f} ({best.drafter})" if best else "-", f"{ours / best.mat:.2f}×" if best else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _is_hindsight(name: str) -> bool:

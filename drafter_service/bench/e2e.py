@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
+from drafter_service.bench.doc_blocks import DocBlockError, add_doc_flag, parse_targets, write_doc_blocks
 from drafter_service.bench.e2e_prompts import E2E_DATASETS, Prompt, load_prompts
 from drafter_service.bench.machine import machine
 from drafter_service.bench.serve_bench import ServiceProcess
@@ -94,6 +95,7 @@ def add_e2e_bench(bench: argparse._SubParsersAction) -> None:
                    "with --engine-cpus, disjoint sets give the draft model compute of its own")
     p.add_argument("--address", default="", help="use this running service instead of starting one")
     p.add_argument("--json", default="", help="also write the per-request results here")
+    add_doc_flag(p)
     p.set_defaults(func=run_e2e_bench)
 
 
@@ -267,6 +269,26 @@ def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel,
     return result
 
 
+def format_headline(results: Sequence[WorkloadResult], args: argparse.Namespace) -> str:
+    """The README's table: per workload, greedy's and drafter's tokens per second, drafter's MAT, and drafter against
+    greedy and against prompt lookup (medians of per-request ratios)."""
+    lines = [f"SmolLM2-135M-Instruct, {args.dtype}, greedy, {args.threads} torch threads, {args.max_new_tokens} new "
+             f"tokens, {args.requests} held-back requests per workload after {args.warm} warm-up requests.", "",
+             "| workload | greedy tok/s | drafter tok/s (MAT) | drafter vs greedy | drafter vs prompt lookup |",
+             "|---|---|---|---|---|"]
+    for res in results:
+        greedy, drafter, pld = res.of("greedy"), res.of("drafter"), res.of("hf-pld")
+        if not greedy or not drafter:
+            continue
+        rate = sum(len(r.tokens) for r in drafter) / sum(r.seconds for r in drafter)
+        mat = sum(len(r.tokens) for r in drafter) / max(1, sum(r.steps for r in drafter))
+        base = sum(len(r.tokens) for r in greedy) / sum(r.seconds for r in greedy)
+        vs_pld = f"{_median_ratio(drafter, pld):.2f}×" if pld else "-"
+        lines.append(f"| {res.dataset} | {base:.1f} | {rate:.1f} ({mat:.2f}) | {_median_ratio(drafter, greedy):.2f}× "
+                     f"| {vs_pld} |")
+    return "\n".join(lines)
+
+
 def _median_ratio(a: Sequence[Run], b: Sequence[Run]) -> float:
     return statistics.median(x.tokens_per_s / y.tokens_per_s for x, y in zip(a, b, strict=True) if y.tokens_per_s)
 
@@ -373,6 +395,10 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     if "drafter-repeat" in methods and "drafter" not in methods:
         raise SystemExit("drafter-repeat repeats drafter's requests: list drafter too")
     fixed_budgets(args)  # a bad list fails before the model loads
+    try:
+        parse_targets(args.write_doc)
+    except DocBlockError as exc:
+        raise SystemExit(str(exc)) from None
     settling_prompts([], args.engine_warm)
     engine_cpus, service_cpus = parse_cpus(args.engine_cpus, "--engine-cpus"), parse_cpus(args.service_cpus,
                                                                                           "--service-cpus")
@@ -426,6 +452,8 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
                     service.stop()
         results.append(res)
         print(format_result(res), flush=True)
+    if args.write_doc:
+        write_doc_blocks(args.write_doc, format_headline(results, args))
     if args.json:
         Path(args.json).write_text(json.dumps([{"dataset": r.dataset, "machine": machine(), "dtype": args.dtype,
                                                 "reuse": r.reuse, "cache_hits": r.cache_hits,
