@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 from redis.cluster import RedisCluster
-from redis_topologies import Cluster, plain
+from redis_topologies import plain
 from serving import free_port, wait_serving
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
@@ -34,15 +34,6 @@ VOCAB = 1000
 NAMESPACES = {"default": 0, "code": 100}  # name -> first token id of its requests (each its own token range)
 LEADER = 999  # in no request: only the frozen table knows what follows it
 FROZEN = FrozenNGramTable(1, 3, {(LEADER,): [((997, 998, 996), 50)]})
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    nodes = Cluster(tmp_path / "cluster")
-    try:
-        yield nodes
-    finally:
-        nodes.stop()
 
 
 def flags(url: str, address: str) -> list[str]:

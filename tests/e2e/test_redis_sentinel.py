@@ -26,15 +26,6 @@ VOCAB = 1000
 CALL_TIMEOUT_S = 30  # an append caught by the kill takes a few seconds to fall back to the spool
 
 
-@pytest.fixture
-def sentinels(tmp_path):
-    deployment = SentinelSet(tmp_path / "redis")
-    try:
-        yield deployment
-    finally:
-        deployment.stop()
-
-
 def serve(argv: list[str]) -> Runtime:
     """The service `drafter serve ARGV` would run, in this process."""
     parser = argparse.ArgumentParser()

@@ -13,15 +13,6 @@ from store.persistence import RedisPersistence
 VOCAB = 1000
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    nodes = Cluster(tmp_path / "cluster")
-    try:
-        yield nodes
-    finally:
-        nodes.stop()
-
-
 def keys_by_node(cluster: Cluster, pattern: str) -> dict[int, list[bytes]]:
     """The keys matching ``pattern`` on each node (by node index), none empty."""
     found = {i: sorted(plain(s).scan_iter(match=pattern)) for i, s in enumerate(cluster.servers)}
