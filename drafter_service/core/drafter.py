@@ -227,8 +227,9 @@ class Drafter:
         if budget == 0 or tokens.size == 0:
             return EMPTY_TREE
         # A paused model whose nodes are not served has nothing to give this draft: its query and merge are skipped.
-        consulted = sess.card is not None and (gate is None or gate.running or gate.serving)
-        model_tree = sess.card.query(budget) if consulted and sess.card is not None else EMPTY_TREE
+        card = sess.card
+        model_tree = card.query(budget) if card is not None and (gate is None or gate.running or gate.serving) else (
+            EMPTY_TREE)
         rows: list[RowsSource] = []
         if cfg.use_session:
             found = sess.lookup(cfg.max_match, cfg.max_occurrences, cfg.max_depth)
