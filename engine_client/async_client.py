@@ -184,10 +184,12 @@ class AsyncDrafterClient(LocalFigures):
         """Ingest ``seqs`` in batches while the service is there; returns those left when it went away.
 
         Refused batches raise DrafterRequestError when ``strict``; otherwise they are dropped with a warning.
+        Buffered requests (not ``strict``) may be retries of calls whose answer was lost: the service leaves out
+        those whose request id it already stored.
         """
         while seqs and self._backoff.ready():
             batch, seqs = seqs[:INGEST_BATCH], seqs[INGEST_BATCH:]
-            req = pb.IngestRequest(namespace=self.namespace, requests=batch)
+            req = pb.IngestRequest(namespace=self.namespace, requests=batch, skip_duplicate_ids=not strict)
             try:
                 reply, code, details = await self._unary(self._connected.Ingest, req)
             except ServiceDown:

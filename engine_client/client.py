@@ -132,7 +132,8 @@ class DrafterClient(LocalFigures):
     (no call waits while backing off). Sessions the service lost are reopened with every token known so far;
     one whose remote copy is out of step (an answer lost) is reopened as ``<id>~N``, the old copy abandoned.
     Requests ended while the service is away are buffered (``max_buffered``, oldest dropped with a warning) and
-    sent by ``Ingest`` once it is back; so is one whose EndSession answer was lost (stored at least once).
+    sent by ``Ingest`` once it is back; so is one whose EndSession answer was lost, under its session id with
+    ``skip_duplicate_ids``, so it is stored once whether or not the lost call landed.
 
     Args:
         address: host:port of the service.
@@ -244,10 +245,12 @@ class DrafterClient(LocalFigures):
         """Ingest ``seqs`` in batches while the service is there; returns those left when it went away.
 
         Refused batches raise DrafterRequestError when ``strict``; otherwise they are dropped with a warning.
+        Buffered requests (not ``strict``) may be retries of calls whose answer was lost: the service leaves out
+        those whose request id it already stored.
         """
         while seqs and self._backoff.ready():
             batch, seqs = seqs[:INGEST_BATCH], seqs[INGEST_BATCH:]
-            req = pb.IngestRequest(namespace=self.namespace, requests=batch)
+            req = pb.IngestRequest(namespace=self.namespace, requests=batch, skip_duplicate_ids=not strict)
             try:
                 reply, code, details = self._unary(self._stub.Ingest, req)
             except ServiceDown:

@@ -279,9 +279,10 @@ class SessionBook:
             state.acked = min(state.acked, state.sent)
 
     def sequence(self, state: SessionState) -> pb.Sequence:
-        """The whole request as an Ingest sequence."""
+        """The whole request as an Ingest sequence, under the id an EndSession would have stored it with (the
+        service's session id), so resending it after a lost EndSession answer stores it once."""
         return pb.Sequence(prompt=state.tokens[:state.prompt_len], output=state.tokens[state.prompt_len:],
-                           request_id=state.local_id)
+                           request_id=state.remote_id or state.local_id)
 
     # -- the service's copy of a session --------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from store.request_log import (
     SEEN_SUFFIX,
     WRITER_SUFFIX,
     WRITER_TTL_MS,
+    Duplicates,
     RequestRecord,
     duplicate_keys,
     record_from_entry,
@@ -167,7 +168,7 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
 
     def append_requests(self, docs: Sequence[tuple[np.ndarray, str | None]],
                         prompt_lens: Sequence[int | None] | None = None,
-                        skip_duplicates: bool = False,
+                        skip_duplicates: Duplicates | bool = False,
                         writer: tuple[str, int] | None = None) -> list[str | None]:
         """Append completed requests to the log in one atomic step and return once they are durable.
 
@@ -182,7 +183,8 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
         Args:
             docs: (tokens (n,) int array of prompt + output, request id or None) per request.
             prompt_lens: how many tokens of each request are its prompt (None: not recorded).
-            skip_duplicates: leave duplicates out instead of appending them again.
+            skip_duplicates: leave duplicates out instead of appending them again (True: by id or content;
+                ``Duplicates.SKIP_SAME_ID``: by id only).
             writer: (writer id, sequence number of the first request; the others follow it by one): requests
                 at or below the writer's high-water mark (``writer_mark``) are left out as already appended,
                 so an append retried after a lost reply stores nothing twice; the mark is then raised.
@@ -197,7 +199,7 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
         """
         if prompt_lens is not None and len(prompt_lens) != len(docs):
             raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(docs)} requests")
-        mode = "1" if skip_duplicates else "0"
+        mode = str(int(Duplicates.of(skip_duplicates)))
         keys = [self.stream_key, self.meta_key, self.seen_key]
         if writer is not None:
             mode += f":{int(writer[1])}:{WRITER_TTL_MS}"

@@ -6,6 +6,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 
@@ -16,19 +17,42 @@ WRITER_SUFFIX = "writer:"
 WRITER_TTL_MS = 30 * 24 * 3600 * 1000
 """How long a writer's high-water mark outlives its last append (it matters until its spool is drained)."""
 
+
+class Duplicates(IntEnum):
+    """Which already stored requests an append leaves out (``bool`` arguments mean KEEP and SKIP)."""
+
+    KEEP = 0
+    """Append every request."""
+    SKIP = 1
+    """Leave out a request whose id (when it has one) or content is stored."""
+    SKIP_SAME_ID = 2
+    """Leave out a request whose id is stored; content is not compared (a retry after a lost answer)."""
+
+    @classmethod
+    def of(cls, rule: Duplicates | bool) -> Duplicates:
+        """The rule for a ``skip_duplicates`` argument given as a rule or a bool."""
+        return cls(int(rule))
+
+    def skips(self, id_key: bytes, hash_key: bytes, known: set[bytes] | frozenset[bytes]) -> bool:
+        """Whether a request with these duplicate keys is left out when ``known`` holds the stored keys."""
+        if self is Duplicates.KEEP:
+            return False
+        return bool(id_key and id_key in known) or (self is Duplicates.SKIP and hash_key in known)
+
 # Append a batch of requests. Each stream id is "<end>-0" where <end> counts every slot a ring buffer gives
 # the requests so far (tokens plus one separator each), so ids increase and say where each request ends.
 # A request is a duplicate when its id key or its content key is in the seen set; with skip "1" duplicates
-# are not appended (their reply is ""). Every appended request adds its keys to the set, so duplicates
-# inside one batch are found too.
+# are not appended (their reply is ""), with skip "2" only requests whose id key is in the set (Duplicates).
+# Every appended request adds its keys to the set, so duplicates inside one batch are found too.
 # With a writer ("<skip>:<first seq>:<ttl ms>" in ARGV[1] and its key as KEYS[4]) the requests are numbered
 # <first seq>, <first seq> + 1, ... by that writer; those at or below the writer's high-water mark were appended
 # by an earlier attempt whose reply was lost, and are left out (reply ""), so a retried append never stores
 # a request twice. The mark is then raised and kept for <ttl ms>.
-# KEYS: stream, meta, seen[, writer]; ARGV: skip "0"/"1" (or the writer form), then per request: tokens,
+# KEYS: stream, meta, seen[, writer]; ARGV: skip "0"/"1"/"2" (or the writer form), then per request: tokens,
 # has id "0"/"1", id, prompt length ("" when unknown), id key ("" when none), content key.
 APPEND_LUA = """
-local skip = string.sub(ARGV[1], 1, 1) == '1'
+local rule = string.sub(ARGV[1], 1, 1)
+local skip = rule ~= '0'
 local first, ttl = string.match(ARGV[1], '^.:(%d+):(%d+)$')
 local done = 0
 if first then
@@ -41,8 +65,8 @@ for i = 2, #ARGV, 6 do
   local id_key, hash_key = ARGV[i + 4], ARGV[i + 5]
   local seen = first ~= nil and first + (i - 2) / 6 <= done
   if skip and not seen then
-    seen = redis.call('SISMEMBER', KEYS[3], hash_key) == 1 or
-           (id_key ~= '' and redis.call('SISMEMBER', KEYS[3], id_key) == 1)
+    seen = (id_key ~= '' and redis.call('SISMEMBER', KEYS[3], id_key) == 1) or
+           (rule == '1' and redis.call('SISMEMBER', KEYS[3], hash_key) == 1)
   end
   if seen then
     ids[#ids + 1] = ''
@@ -127,12 +151,13 @@ class SeenKeys:
         self._end = 0  # ring slots given so far, for stream-like ids
 
     def append(self, docs: Sequence[tuple[np.ndarray, str | None]], prompt_lens: Sequence[int | None],
-               skip_duplicates: bool = False) -> list[str | None]:
+               skip_duplicates: Duplicates | bool = False) -> list[str | None]:
         """Record ``docs``; returns an id per request, None for each duplicate left out."""
+        rule = Duplicates.of(skip_duplicates)
         out: list[str | None] = []
         for (tokens, request_id), plen in zip(docs, prompt_lens, strict=True):
             id_key, hash_key = duplicate_keys(np.asarray(tokens, dtype="<i4").tobytes(), plen, request_id)
-            if skip_duplicates and (hash_key in self._keys or (id_key and id_key in self._keys)):
+            if rule.skips(id_key, hash_key, self._keys):
                 out.append(None)
                 continue
             self._keys.update((id_key, hash_key) if id_key else (hash_key,))

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from store.request_log import Duplicates
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["MAGIC", "HEADER_BYTES", "Spool", "SpoolBusy", "SpoolCorrupt", "SpoolError", "SpoolFull", "SpoolRecord",
@@ -26,7 +28,7 @@ _HEADER = struct.Struct("<8s16s16sI")  # magic, writer id, store id, crc32 of th
 HEADER_BYTES = _HEADER.size
 _FRAME = struct.Struct("<II")  # payload length, crc32 of (length, payload)
 _HEAD = struct.Struct("<QBqH")  # seq, flags, prompt length (-1: unknown), request id length in bytes
-_SKIP, _HAS_ID = 1, 2
+_SKIP, _HAS_ID, _SKIP_SAME_ID = 1, 2, 4
 MAX_PAYLOAD = 1 << 31
 """Largest record payload; a frame declaring more is garbage."""
 
@@ -56,20 +58,22 @@ class SpoolRecord:
         tokens: (n,) int32 prompt + output.
         prompt_len: how many of ``tokens`` are the prompt (None: not recorded).
         request_id: the id it was sent with (None: none).
-        skip_duplicates: whether it was sent with skip_duplicates (left out when Redis already holds it).
+        skip_duplicates: the duplicate rule it was sent with (which stored requests leave it out).
     """
 
     seq: int
     tokens: np.ndarray
     prompt_len: int | None
     request_id: str | None
-    skip_duplicates: bool
+    skip_duplicates: Duplicates
 
 
 def record_bytes(record: SpoolRecord) -> bytes:
     """The framed bytes of a record: length, checksum, then seq, flags, prompt length, request id and tokens."""
     rid = (record.request_id or "").encode()
-    flags = (_SKIP if record.skip_duplicates else 0) | (_HAS_ID if record.request_id is not None else 0)
+    rule = Duplicates.of(record.skip_duplicates)
+    flags = {Duplicates.KEEP: 0, Duplicates.SKIP: _SKIP, Duplicates.SKIP_SAME_ID: _SKIP_SAME_ID}[rule] | \
+        (_HAS_ID if record.request_id is not None else 0)
     plen = -1 if record.prompt_len is None else int(record.prompt_len)
     payload = _HEAD.pack(int(record.seq), flags, plen, len(rid)) + rid + \
         np.ascontiguousarray(record.tokens, dtype="<i4").tobytes()
@@ -84,7 +88,8 @@ def _parse(payload: bytes) -> SpoolRecord:
         raise SpoolCorrupt("a record's request id or tokens do not fit its length")
     rid = payload[_HEAD.size:start].decode() if flags & _HAS_ID else None
     tokens = np.frombuffer(payload, dtype="<i4", offset=start).astype(np.int32)
-    return SpoolRecord(seq, tokens, None if plen < 0 else plen, rid, bool(flags & _SKIP))
+    rule = Duplicates.SKIP if flags & _SKIP else Duplicates.SKIP_SAME_ID if flags & _SKIP_SAME_ID else Duplicates.KEEP
+    return SpoolRecord(seq, tokens, None if plen < 0 else plen, rid, rule)
 
 
 class Spool:

@@ -21,7 +21,7 @@ from drafter_service.namespaces.durable_log import DurableLog
 from drafter_service.namespaces.frozen_tables import FrozenTables
 from drafter_service.namespaces.spooling import SpoolingLog
 from drafter_service.namespaces.stats import DraftCounters, NamespaceStats
-from store.request_log import SeenKeys
+from store.request_log import Duplicates, SeenKeys
 from store.table_codec import encode_table
 
 if TYPE_CHECKING:
@@ -197,12 +197,13 @@ class Namespace:
         return int(doc.size)
 
     def ingest(self, requests: Sequence[tuple[TokenIds, TokenIds, str]],
-               skip_duplicates: bool = False) -> tuple[int, int, int]:
+               skip_duplicates: Duplicates | bool = False) -> tuple[int, int, int]:
         """Validate every request first (one bad request refuses the call), persist them all, then store them.
 
         Args:
             requests: (prompt ids, output ids, request id or "") per request.
-            skip_duplicates: leave out requests already stored (same request id, or same prompt and output),
+            skip_duplicates: leave out requests already stored (True: same request id, or same prompt and
+                output; ``Duplicates.SKIP_SAME_ID``: same request id only),
                 found atomically with the append; see ``RedisPersistence.append_requests``.
 
         Returns:
@@ -226,7 +227,7 @@ class Namespace:
         return stored, tokens, len(docs) - stored
 
     def _persist(self, docs: list[tuple[np.ndarray, str | None]], prompt_lens: list[int],
-                 skip_duplicates: bool = False) -> list[str | None]:
+                 skip_duplicates: Duplicates | bool = False) -> list[str | None]:
         """Append ``docs`` durably; returns their stream ids (None for each duplicate left out).
 
         With a spool, requests Redis cannot take are fsynced there instead and get placeholder ids.

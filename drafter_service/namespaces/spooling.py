@@ -12,7 +12,7 @@ import numpy as np
 from drafter_service.api.errors import Unavailable
 from drafter_service.namespaces.durable_log import DurableLog
 from store.persistence import RedisPersistence
-from store.request_log import duplicate_keys
+from store.request_log import Duplicates, duplicate_keys
 from store.spool import HEADER_BYTES, Spool, SpoolBusy, SpoolCorrupt, SpoolError, SpoolFull, SpoolRecord, new_id
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class SpoolingLog:
     # -- appends (caller holds the namespace's write lock) ---------------------------------------------------
 
     def append(self, docs: list[tuple[np.ndarray, str | None]], prompt_lens: list[int],
-               skip_duplicates: bool = False) -> tuple[list[str | None], bool]:
+               skip_duplicates: Duplicates | bool = False) -> tuple[list[str | None], bool]:
         """Append to Redis, or to the spool when Redis cannot take them or requests already wait there.
 
         Returns:
@@ -114,10 +114,11 @@ class SpoolingLog:
             cause = Unavailable("requests wait in the spool")
         return self._hold(docs, prompt_lens, skip_duplicates, first, cause), True
 
-    def _hold(self, docs: list[tuple[np.ndarray, str | None]], prompt_lens: list[int], skip_duplicates: bool,
-              first: int, cause: Exception) -> list[str | None]:
+    def _hold(self, docs: list[tuple[np.ndarray, str | None]], prompt_lens: list[int],
+              skip_duplicates: Duplicates | bool, first: int, cause: Exception) -> list[str | None]:
         if self.max_bytes <= 0:
             raise Unavailable(f"could not store the request durably: {cause}") from cause
+        rule = Duplicates.of(skip_duplicates)
         ids: list[str | None] = []
         records: list[SpoolRecord] = []
         keys: set[bytes] = set()
@@ -125,12 +126,11 @@ class SpoolingLog:
             blob = np.asarray(tokens, dtype="<i4").tobytes()
             id_key, hash_key = duplicate_keys(blob, plen, request_id)
             mine = {k for k in (id_key, hash_key) if k}
-            if skip_duplicates and mine & (self._held_keys | keys):
+            if rule.skips(id_key, hash_key, self._held_keys | keys):
                 ids.append(None)
                 continue
             keys |= mine
-            records.append(SpoolRecord(first + i, np.asarray(tokens, dtype=np.int32), plen, request_id,
-                                       skip_duplicates))
+            records.append(SpoolRecord(first + i, np.asarray(tokens, dtype=np.int32), plen, request_id, rule))
             ids.append(f"spool-{first + i}")
         if not records:
             return ids

@@ -20,6 +20,7 @@ from drafter_service.rpc.interceptor import status_of
 from drafter_service.service.auth import Caller
 from drafter_service.service.batch import BatchOutcome, BatchStep
 from drafter_service.service.service import DrafterService
+from store.request_log import Duplicates
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +158,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def Ingest(self, request: pb.IngestRequest, context: grpc.ServicerContext) -> pb.IngestResponse:
         reqs = [(np.array(r.prompt, dtype=np.int32), np.array(r.output, dtype=np.int32), r.request_id)
                 for r in request.requests]
-        n, tokens, skipped = self.service.ingest(request.namespace, reqs, request.skip_duplicates,
-                                                 caller=self._caller(context))
+        rule = Duplicates.SKIP if request.skip_duplicates else \
+            Duplicates.SKIP_SAME_ID if request.skip_duplicate_ids else Duplicates.KEEP
+        n, tokens, skipped = self.service.ingest(request.namespace, reqs, rule, caller=self._caller(context))
         return pb.IngestResponse(ingested=n, tokens=tokens, skipped=skipped)
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:

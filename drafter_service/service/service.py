@@ -22,6 +22,7 @@ from drafter_service.service.batch import BatchEnd, BatchOutcome, BatchStart, Ba
 from drafter_service.service.config import ServiceConfig
 from drafter_service.service.session_routes import SessionRoutes
 from store.persistence import RedisPersistence
+from store.request_log import Duplicates
 
 if TYPE_CHECKING:
     from store.frozen_table import FrozenNGramTable
@@ -313,11 +314,11 @@ class DrafterService:
         return stored
 
     def ingest(self, namespace: str, requests: Sequence[tuple[TokenIds, TokenIds, str]],
-               skip_duplicates: bool = False, caller: Caller | None = None) -> tuple[int, int, int]:
+               skip_duplicates: Duplicates | bool = False, caller: Caller | None = None) -> tuple[int, int, int]:
         """Store completed requests durably; returns (requests stored, tokens, duplicates skipped).
 
-        With ``skip_duplicates`` a request already stored (same request id, or same prompt and output) is
-        left out.
+        With ``skip_duplicates`` a request already stored (same request id, or same prompt and output; with
+        ``Duplicates.SKIP_SAME_ID`` same request id only) is left out.
         """
         ns = self.namespace(namespace, caller)
         if not requests:

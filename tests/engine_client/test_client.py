@@ -287,11 +287,11 @@ def test_service_down_then_up_buffers_ended_requests_and_opens_sessions_late(cap
 DRAFTER = str(Path(sys.executable).parent / "drafter")
 
 
-def start_serve(data_dir: Path, port: int) -> subprocess.Popen:
+def start_serve(data_dir: Path, port: int, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "DRAFTER_VOCAB_SIZE": str(VOCAB), "DRAFTER_CAPACITY": "200000",
            "DRAFTER_HTTP_ADDRESS": "127.0.0.1:0"}
     proc = subprocess.Popen([DRAFTER, "serve", "--address", f"127.0.0.1:{port}", "--data-dir", str(data_dir),
-                             "--snapshot-interval", "3600"],
+                             "--snapshot-interval", "3600", *extra],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_serving(f"127.0.0.1:{port}")
     return proc
@@ -354,3 +354,43 @@ def test_importing_the_clients_does_not_import_torch():
     code = ("import engine_client, engine_client.client, engine_client.async_client, sys; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def wait_until(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_request_whose_end_answer_was_lost_is_stored_once(tmp_path, redis_server):
+    """EndSession waits on a stopped Redis past the client's deadline and lands after; the resend adds nothing."""
+    port = free_port()
+    prompt, output = chain_request(seed=9)
+    twin_prompt, twin_output = chain_request(seed=10)
+    proc = start_serve(tmp_path / "data", port, "--redis-url", redis_server.url)
+    try:
+        client = DrafterClient(f"127.0.0.1:{port}", max_nodes=4, timeout=0.3, call_timeout=0.3,
+                               initial_backoff=0.05, max_backoff=0.3)
+        stub = raw_stub(f"127.0.0.1:{port}")
+        sid = client.start(prompt)
+        client.draft(sid, output[:10])
+        twin = client.start(twin_prompt)  # ends while the service is away: stored by the resend alone
+        os.kill(redis_server.pid, signal.SIGSTOP)
+        try:
+            client.end(sid, output[10:])  # the service holds it until Redis confirms: the answer comes too late
+            client.end(twin, twin_output)
+            assert client.buffered == 2
+            time.sleep(0.3)
+        finally:
+            os.kill(redis_server.pid, signal.SIGCONT)
+        wait_until(lambda: stub.GetStats(pb.GetStatsRequest()).stored_requests >= 1, 10)  # the late call landed
+        wait_until(lambda: (client.flush(), client.buffered)[1] == 0, 10)
+        stats = client.stats()
+        assert stats["stored_requests"] == 2, "the request whose EndSession landed late was stored twice"
+        assert stats["stored_tokens"] == len(prompt) + len(output) + 1 + len(twin_prompt) + len(twin_output) + 1
+        assert client.stats_local().flushed_requests == 2
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)

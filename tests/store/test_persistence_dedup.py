@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from store.persistence import RedisPersistence
-from store.request_log import SeenKeys, content_digest, duplicate_keys
+from store.request_log import Duplicates, SeenKeys, content_digest, duplicate_keys
 
 VOCAB = 1000
 
@@ -46,6 +46,17 @@ def test_duplicates_by_request_id_and_by_content_are_skipped_atomically(p):
     assert [(r.tokens.tolist(), r.request_id) for r in p.iter_request_records()][2:] == [([4, 5, 6], "x"),
                                                                                          ([7, 8], "b")]
     assert p.last_id() == "15-0"  # skipped requests take no ring slots
+
+
+def test_skipping_same_ids_compares_ids_only(p):
+    p.append_requests([(arr(1, 2, 3), "a"), (arr(4, 5, 6), None)], prompt_lens=[1, 1])
+    got = p.append_requests([(arr(1, 2, 3), "a"),         # a retry of a request whose answer was lost
+                             (arr(4, 5, 6), "new-id"),     # same content, another id: a request of its own
+                             (arr(4, 5, 6), None),         # same content, no id: stored
+                             (arr(7, 8), "b"), (arr(0, 1), "b")],  # a retry within the batch
+                            prompt_lens=[1, 1, 1, 1, 1], skip_duplicates=Duplicates.SKIP_SAME_ID)
+    assert got == [None, "12-0", "16-0", "19-0", None]
+    assert [r.request_id for r in p.iter_request_records()] == ["a", None, "new-id", None, "b"]
 
 
 def test_without_skipping_duplicates_are_stored_and_still_remembered(p):
@@ -91,8 +102,8 @@ def test_keys_and_the_memory_twin_agree_with_redis(p):
     twin = SeenKeys()
     for i in range(0, 60, 7):
         chunk, chunk_lens = docs[i:i + 7], lens[i:i + 7]
-        skip = bool(i % 2)
-        assert twin.append(chunk, chunk_lens, skip) == p.append_requests(chunk, chunk_lens, skip)
+        rule = Duplicates(i % 3)
+        assert twin.append(chunk, chunk_lens, rule) == p.append_requests(chunk, chunk_lens, rule)
 
 
 def test_a_client_that_decodes_responses_is_refused(redis_server):

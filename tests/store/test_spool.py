@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from store.persistence import RedisPersistence
+from store.request_log import Duplicates
 from store.spool import HEADER_BYTES, Spool, SpoolBusy, SpoolCorrupt, SpoolFull, SpoolRecord, new_id, record_bytes
 
 WRITER, STORE = "0123456789abcdef" * 2, "fedcba9876543210" * 2
@@ -22,8 +23,8 @@ def same(a, b):
         (b.seq, b.tokens.tolist(), b.prompt_len, b.request_id, b.skip_duplicates)
 
 
-RECORDS = [rec(1, [5, 6, 7], 1, "r-1"), rec(2, [], None, None, True), rec(3, [2**31 - 1, 0], 2, "", False),
-           rec(7, list(range(100)), 40, "ünïcode id", True)]
+RECORDS = [rec(1, [5, 6, 7], 1, "r-1"), rec(2, [], None, None, True),
+           rec(3, [2**31 - 1, 0], 2, "", Duplicates.SKIP_SAME_ID), rec(7, list(range(100)), 40, "ünïcode id", True)]
 
 
 def test_append_read_back_reopen_and_truncate(tmp_path):

@@ -182,14 +182,16 @@ class Sequence(_message.Message):
     def __init__(self, prompt: _Optional[_Iterable[int]] = ..., output: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class IngestRequest(_message.Message):
-    __slots__ = ("namespace", "requests", "skip_duplicates")
+    __slots__ = ("namespace", "requests", "skip_duplicates", "skip_duplicate_ids")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SKIP_DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    SKIP_DUPLICATE_IDS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     requests: _containers.RepeatedCompositeFieldContainer[Sequence]
     skip_duplicates: bool
-    def __init__(self, namespace: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., skip_duplicates: _Optional[bool] = ...) -> None: ...
+    skip_duplicate_ids: bool
+    def __init__(self, namespace: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., skip_duplicates: _Optional[bool] = ..., skip_duplicate_ids: _Optional[bool] = ...) -> None: ...
 
 class IngestResponse(_message.Message):
     __slots__ = ("ingested", "tokens", "skipped")
