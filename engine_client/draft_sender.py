@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from engine_client.client import DrafterClient
 from engine_client.client_common import DrafterRequestError
+from engine_client.context_ngrams import ContextNgrams
 from engine_client.packed_trees import PackedTrees
 
 logger = logging.getLogger(__name__)
@@ -25,9 +26,9 @@ __all__ = ["DraftSender", "Landed", "Opened", "Stepped", "Ended", "Tracked"]
 
 class Tracked:
     """One request as pre-speculation follows it (a handle: the engine's thread owns ``recent``, ``total`` and
-    ``proposed``; the sender's thread sets ``landed`` and ``session``)."""
+    ``proposed``; the sender's thread sets ``landed`` and ``session`` and fills ``ngrams``)."""
 
-    __slots__ = ("recent", "total", "proposed", "landed", "earlier", "session", "unsent")
+    __slots__ = ("recent", "total", "proposed", "landed", "earlier", "session", "unsent", "ngrams")
 
     def __init__(self, recent: list[int], total: int) -> None:
         self.recent = recent  # its last tokens (at least the history pre-speculation follows)
@@ -39,6 +40,7 @@ class Tracked:
         self.earlier: tuple[int, PackedTrees | None, int] = self.landed  # the tree before it (see PreSpeculator)
         self.session = ""  # the client's session id ("" until opened, or refused)
         self.unsent: list[int] = []  # tokens recorded and not yet sent
+        self.ngrams = ContextNgrams()  # its whole context, for prompt lookup where its tree holds no chain
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,7 @@ class DraftSender:
                 ticket = item.ticket
                 for req, toks, total in zip(item.reqs, item.new, item.totals, strict=True):
                     req.unsent += toks
+                    req.ngrams.extend(toks)
                     totals[id(req)] = total
             else:
                 ended.append(item.req)
@@ -181,6 +184,7 @@ class DraftSender:
             self._end(req)
 
     def _open(self, item: Opened) -> None:
+        item.req.ngrams.extend(item.prompt)
         try:
             item.req.session = self.client.start(item.prompt, open_now=False)
         except DrafterRequestError as exc:

@@ -9,6 +9,8 @@ lands while the engine runs the next forward pass.
 On a miss (the outcome left the tree, or it has no tree yet) one rule decides between no draft and waiting for the
 step's own answer: wait while the missed rows' expected accepted tokens are worth the wait, measured against the
 engine's step time. A breaker stops all waiting while the service answers late, and closes again with backoff.
+Before the rule, a missed row gets a chain from prompt lookup over its own context (``ContextNgrams``) where that
+finds one: in process, so the rows the rule weighs are those nothing local can draft.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PreSpeculator", "PreSpeculationFigures", "Tracked"]
 
+#: Estimates of a prompt-lookup chain's tokens (the chance each is reached), for a verify budget to weigh.
+LOOKUP_ESTIMATES = [0.4 * 0.8 ** i for i in range(64)]
+
 #: Weight of the newest measurement in the running means of step time, round trip and accepted tokens.
 EMA = 0.2
 
@@ -43,6 +48,7 @@ class PreSpeculationFigures:
     misses: int = 0  # rows that wanted a chain but their tree held none below what they appended
     waits: int = 0  # steps that waited for their own answer
     late: int = 0  # waits that ended without the answer (the breaker opened)
+    looked_up: int = 0  # missed rows given a chain by prompt lookup over their own context
     step_seconds: float = 0.0  # running mean of the engine's step (between calls)
     round_trip_seconds: float = 0.0  # running mean of a DraftBatch round trip
     accepted_per_chain: float = 1.0  # running mean of tokens accepted per chain proposed
@@ -129,10 +135,11 @@ class PreSpeculator:
         self._sender.put(Stepped(ticket, list(reqs), list(new), [r.total for r in reqs]), wake=False)
         if self.prespeculate:
             tokens, probs = self._lookup(reqs, max_lengths)
-            hits = sum(1 for t in tokens if t)
+            fig.hits += sum(1 for t in tokens if t)
+            fig.misses += sum(1 for t, m in zip(tokens, max_lengths, strict=True) if not t and m > 0)
+            self._look_up_missing(reqs, max_lengths, tokens, probs)
+            hits = sum(1 for t in tokens if t)  # rows with a chain, from their tree or by prompt lookup
             missed = sum(1 for t, m in zip(tokens, max_lengths, strict=True) if not t and m > 0)
-            fig.hits += hits
-            fig.misses += missed
         else:
             tokens, probs = [[] for _ in reqs], [[] for _ in reqs]
             hits, missed = 0, sum(1 for m in max_lengths if m > 0)
@@ -179,6 +186,16 @@ class PreSpeculator:
             tokens.append(chain)
             probs.append(estimates)
         return tokens, probs
+
+    def _look_up_missing(self, reqs: Sequence[Tracked], max_lengths: Sequence[int], tokens: list[list[int]],
+                         probs: list[list[float]]) -> None:
+        """Chains by prompt lookup over their own context for the rows that want one and have none."""
+        for i, (req, max_len) in enumerate(zip(reqs, max_lengths, strict=True)):
+            if max_len > 0 and not tokens[i]:
+                chain = req.ngrams.chain(req.recent, max_len)
+                if chain:
+                    tokens[i], probs[i] = chain, LOOKUP_ESTIMATES[:len(chain)]
+                    self.figures.looked_up += 1
 
     def _cut(self, req: Tracked, landed: tuple[int, PackedTrees | None, int], max_len: int
              ) -> tuple[list[int], list[float]]:

@@ -160,7 +160,7 @@ def test_the_table_compares_with_suffix_and_the_synchronous_run_and_reads_missin
     base = {"batch": 16, "steps": 50, "p50_ms": 1.0, "p99_ms": 2.0, "mean_ms": 1.2, "rows": 100, "drafted": 50}
     results = [
         {**base, "method": "drafter", "tokens_per_step": 2.4, "p50_ms": 0.5,
-         "figures": {"steps": 50, "prespec_hits": 30, "prespec_misses": 10, "sync_waits": 5}},
+         "figures": {"steps": 50, "prespec_hits": 30, "prespec_misses": 10, "sync_waits": 5, "looked_up": 4}},
         {**base, "method": "drafter-sync", "tokens_per_step": 2.5, "figures": {"steps": 50}},
         {**base, "method": "suffix", "tokens_per_step": 2.0},
     ]
@@ -168,6 +168,6 @@ def test_the_table_compares_with_suffix_and_the_synchronous_run_and_reads_missin
     assert lines[0] == "header"
     rows = {cells[2]: cells for cells in ([c.strip() for c in line.split("|")] for line in lines[4:])}
     assert rows["drafter"][4:6] == ["0.500", "0.50×"]
-    assert rows["drafter"][9:14] == ["1.20×", "0.96×", "50.0%", "75.0%", "0.10"]
-    assert rows["drafter-sync"][9:14] == ["1.25×", "-", "50.0%", "-", "0.00"]
-    assert rows["suffix"][5] == "-" and rows["suffix"][9:14] == ["-", "-", "50.0%", "-", "-"]
+    assert rows["drafter"][9:15] == ["1.20×", "0.96×", "50.0%", "75.0%", "10.0%", "0.10"]
+    assert rows["drafter-sync"][9:15] == ["1.25×", "-", "50.0%", "-", "-", "0.00"]
+    assert rows["suffix"][5] == "-" and rows["suffix"][9:15] == ["-", "-", "50.0%", "-", "-", "-"]
