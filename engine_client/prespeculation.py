@@ -9,8 +9,8 @@ lands while the engine runs the next forward pass.
 On a miss (the outcome left the tree, or it has no tree yet) one rule decides between no draft and waiting for the
 step's own answer: wait while the missed rows' expected accepted tokens are worth the wait, measured against the
 engine's step time. A breaker stops all waiting while the service answers late, and closes again with backoff.
-Before the rule, a missed row gets a chain from prompt lookup over its own context (``ContextNgrams``) where that
-finds one: in process, so the rows the rule weighs are those nothing local can draft.
+Before the rule, a missed row gets a chain from prompt lookup over its own context (``ContextNgrams``) where its
+last token occurred before: in process, so the rows the rule weighs are those nothing local can draft.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PreSpeculator", "PreSpeculationFigures", "Tracked"]
 
-#: Estimates of a prompt-lookup chain's tokens (the chance each is reached), for a verify budget to weigh.
-LOOKUP_ESTIMATES = [0.4 * 0.8 ** i for i in range(64)]
+#: Estimates of a prompt-lookup chain's tokens (the chance each is reached), by the length of its match (1, 2, 3
+#: tokens), for a verify budget to weigh: a prior that the budget's calibration corrects.
+LOOKUP_ESTIMATES = {n: [first * 0.8 ** i for i in range(64)] for n, first in ((1, 0.2), (2, 0.35), (3, 0.5))}
 
 #: Weight of the newest measurement in the running means of step time, round trip and accepted tokens.
 EMA = 0.2
@@ -192,9 +193,9 @@ class PreSpeculator:
         """Chains by prompt lookup over their own context for the rows that want one and have none."""
         for i, (req, max_len) in enumerate(zip(reqs, max_lengths, strict=True)):
             if max_len > 0 and not tokens[i]:
-                chain = req.ngrams.chain(req.recent, max_len)
+                chain, n = req.ngrams.chain(req.recent, max_len)
                 if chain:
-                    tokens[i], probs[i] = chain, LOOKUP_ESTIMATES[:len(chain)]
+                    tokens[i], probs[i] = chain, LOOKUP_ESTIMATES[n][:len(chain)]
                     self.figures.looked_up += 1
 
     def _cut(self, req: Tracked, landed: tuple[int, PackedTrees | None, int], max_len: int
