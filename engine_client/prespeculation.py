@@ -30,9 +30,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PreSpeculator", "PreSpeculationFigures", "Tracked"]
 
-#: Estimates of a prompt-lookup chain's tokens (the chance each is reached), by the length of its match (1, 2, 3
-#: tokens), for a verify budget to weigh: a prior that the budget's calibration corrects.
-LOOKUP_ESTIMATES = {n: [first * 0.8 ** i for i in range(64)] for n, first in ((1, 0.2), (2, 0.35), (3, 0.5))}
+#: Estimate of a prompt-lookup chain's first token by the length of its match (1, 2, 3 tokens), each next token's
+#: LOOKUP_DECAY times the one before (the chance each is reached), for a verify budget to weigh: a prior that the
+#: budget's calibration corrects.
+LOOKUP_FIRST = {1: 0.2, 2: 0.35, 3: 0.5}
+LOOKUP_DECAY = 0.8
 
 #: Weight of the newest measurement in the running means of step time, round trip and accepted tokens.
 EMA = 0.2
@@ -195,7 +197,8 @@ class PreSpeculator:
             if max_len > 0 and not tokens[i]:
                 chain, n = req.ngrams.chain(req.recent, max_len)
                 if chain:
-                    tokens[i], probs[i] = chain, LOOKUP_ESTIMATES[n][:len(chain)]
+                    first = LOOKUP_FIRST[n]
+                    tokens[i], probs[i] = chain, [first * LOOKUP_DECAY ** j for j in range(len(chain))]
                     self.figures.looked_up += 1
 
     def _cut(self, req: Tracked, landed: tuple[int, PackedTrees | None, int], max_len: int

@@ -158,7 +158,9 @@ def test_a_service_stopped_for_20_s_never_stalls_the_engine_and_drafts_resume(se
     """SIGSTOP (a hung service, not a dead one) in the middle of a generation, SIGCONT 20 s later."""
     stats_file = workdir / "second.json"
     stored_before = stats(service)["stored_requests"]
-    seen: list[tuple[float, int, int]] = []  # (time, steps, draft tokens) of the proposer, every 20 ms
+    # (time, steps, chains from the service's trees) of the proposer, every 20 ms: chains cut from a landed tree plus
+    # waits its answer ended (prompt lookup drafts some rows without the service, so draft tokens would not tell)
+    seen: list[tuple[float, int, int]] = []
     stopped: list[float] = []
     resumed: list[float] = []
     finished = threading.Event()
@@ -167,7 +169,8 @@ def test_a_service_stopped_for_20_s_never_stalls_the_engine_and_drafts_resume(se
         while not finished.is_set():
             figures = figures_file(stats_file)
             if figures:
-                seen.append((time.monotonic(), int(figures["steps"]), int(figures["draft_tokens"])))
+                served = figures["prespec_hits"] + figures["sync_waits"] - figures["late_answers"]
+                seen.append((time.monotonic(), int(figures["steps"]), int(served)))
             time.sleep(0.02)
 
     def stop_midway() -> None:
