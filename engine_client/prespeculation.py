@@ -52,6 +52,7 @@ class PreSpeculationFigures:
     waits: int = 0  # steps that waited for their own answer
     late: int = 0  # waits that ended without the answer (the breaker opened)
     looked_up: int = 0  # missed rows given a chain by prompt lookup over their own context
+    answers: int = 0  # DraftBatch answers that landed
     step_seconds: float = 0.0  # running mean of the engine's step (between calls)
     round_trip_seconds: float = 0.0  # running mean of a DraftBatch round trip
     accepted_per_chain: float = 1.0  # running mean of tokens accepted per chain proposed
@@ -261,6 +262,7 @@ class PreSpeculator:
                 self._landed.notify_all()
             return
         fig = self.figures
+        fig.answers += 1
         fig.round_trip_seconds += EMA * (landed.seconds - fig.round_trip_seconds) if fig.round_trip_seconds else (
             landed.seconds)
         tree = landed.trees

@@ -49,6 +49,7 @@ class StepFigures:
     sync_waits: int = 0  # steps that waited for their own answer
     late_answers: int = 0  # waits that ended without an answer (the breaker opened)
     looked_up: int = 0  # missed rows given a chain by prompt lookup over their own context
+    answers: int = 0  # DraftBatch answers that landed
     round_trip_ms: float = 0.0  # running mean of a DraftBatch round trip
     step_ms: float = 0.0  # running mean of the engine's step
     longest_step_ms: float = 0.0  # the longest time from one step to the next, no request joining between
@@ -221,5 +222,5 @@ class RequestTracker:
         spec, fig = self.speculator.figures, self.figures
         fig.prespec_hits, fig.prespec_misses, fig.sync_waits, fig.late_answers = (spec.hits, spec.misses,
                                                                                   spec.waits, spec.late)
-        fig.looked_up = spec.looked_up
+        fig.looked_up, fig.answers = spec.looked_up, spec.answers
         fig.round_trip_ms, fig.step_ms = spec.round_trip_seconds * 1e3, spec.step_seconds * 1e3

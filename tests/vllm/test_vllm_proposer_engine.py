@@ -153,14 +153,23 @@ def figures_file(path: Path) -> dict:
         return {}
 
 
-def test_a_service_stopped_for_20_s_never_stalls_the_engine_and_drafts_resume(second, service, plain, prompts,
+def test_a_service_stopped_for_20_s_never_stalls_the_engine_and_drafts_resume(first, second, service, plain, prompts,
                                                                              workdir):
     """SIGSTOP (a hung service, not a dead one) in the middle of a generation, SIGCONT 20 s later."""
     stats_file = workdir / "second.json"
+
+    def earlier_requests_stored() -> bool:  # the proposer ends an idle engine's finished requests within 0.2 s
+        figures = figures_file(stats_file)
+        opened = int(figures.get("opened", 0))
+        return int(figures.get("ended", 0)) == opened and \
+            stats(service)["stored_requests"] >= len(first[1].outputs) + opened
+
+    wait_for(earlier_requests_stored, 30, "the requests of the generations before this one ended and stored")
     stored_before = stats(service)["stored_requests"]
-    # (time, steps, chains from the service's trees) of the proposer, every 20 ms: chains cut from a landed tree plus
-    # waits its answer ended (prompt lookup drafts some rows without the service, so draft tokens would not tell)
-    seen: list[tuple[float, int, int]] = []
+    # (time, steps, answers from the service, chains from its trees) of the proposer, every 20 ms; chains from its
+    # trees: those cut from a landed tree plus waits its answer ended (prompt lookup drafts some rows without the
+    # service, so draft tokens would not tell)
+    seen: list[tuple[float, int, int, int]] = []
     stopped: list[float] = []
     resumed: list[float] = []
     finished = threading.Event()
@@ -170,7 +179,7 @@ def test_a_service_stopped_for_20_s_never_stalls_the_engine_and_drafts_resume(se
             figures = figures_file(stats_file)
             if figures:
                 served = figures["prespec_hits"] + figures["sync_waits"] - figures["late_answers"]
-                seen.append((time.monotonic(), int(figures["steps"]), int(served)))
+                seen.append((time.monotonic(), int(figures["steps"]), int(figures["answers"]), int(served)))
             time.sleep(0.02)
 
     def stop_midway() -> None:
@@ -204,19 +213,26 @@ def test_a_service_stopped_for_20_s_never_stalls_the_engine_and_drafts_resume(se
 
     before, during = per_step(0.0, stopped[0]), per_step(stopped[0], resumed[0])
     assert during, "no engine step while the service was stopped"
-    steps_at_resume = max(n for t, n, _ in seen if t <= resumed[0])
-    assert any(n > steps_at_resume for t, n, _ in seen if t > resumed[0] + 1.0), \
+    steps_at_resume = max(n for t, n, _, _ in seen if t <= resumed[0])
+    assert any(n > steps_at_resume for t, n, _, _ in seen if t > resumed[0] + 1.0), \
         "the generation ended before the service had been back a second: lengthen STOPPED_LIMITS' long requests"
-    drafted_at_resume = max(d for t, _, d in seen if t <= resumed[0])
-    after = [t for t, _, d in seen if t > resumed[0] and d > drafted_at_resume]
-    tail = [(round(t - resumed[0], 2), n, d) for t, n, d in seen if t > resumed[0] - 1.0][:80:4]
-    assert after and after[0] - resumed[0] <= 1.0 + 0.25, f"drafts did not resume within a second: {tail}"  # + lag
+
+    def first_rise(column: int) -> float | None:  # seconds after SIGCONT until the column passed its value then
+        at_resume = max(row[column] for row in seen if row[0] <= resumed[0])
+        return next((row[0] - resumed[0] for row in seen if row[0] > resumed[0] and row[column] > at_resume), None)
+
+    answers_again, drafts_again = first_rise(2), first_rise(3)
+    tail = [(round(t - resumed[0], 2), n, a, d) for t, n, a, d in seen if t > resumed[0] - 1.0][:150:5]
+    assert answers_again is not None and answers_again <= 1.0 + 0.25, \
+        f"the service's answers did not resume within a second: {tail}"  # + the figures file's lag
+    assert drafts_again is not None and drafts_again <= 5.0 + 0.25, \
+        f"no chain from the service's trees within 5 s (the wait breaker's longest backoff): {tail}"
     plain_step = sorted(before)[len(before) // 2] if before else 0.0
     longest = figures_file(stats_file)["longest_step_ms"]
     print(f"service stopped 20 s: engine step during the stop {max(during) * 1e3:.0f} ms at most (mean over each "
           f"0.2 s update of the figures), {plain_step * 1e3:.0f} ms before it (median of the same); longest step "
-          f"of the engine's whole run {longest:.0f} ms (a prefill included); drafts again "
-          f"{(after[0] - resumed[0]) * 1e3:.0f} ms after SIGCONT")
+          f"of the engine's whole run {longest:.0f} ms (a prefill included); answers again "
+          f"{answers_again * 1e3:.0f} ms and chains from the service's trees {drafts_again * 1e3:.0f} ms after SIGCONT")
     assert max(during) < 1.0 and longest < 1500  # no step waited out DRAFTER_TIMEOUT (2 s) on the stopped service
     wait_for(lambda: stats(service)["stored_requests"] >= stored_before + len(STOPPED_LIMITS), 30,
              "every request of the generation stored, those that ended during the stop included")
