@@ -139,11 +139,12 @@ class PreSpeculator:
         self._sender.put(Stepped(ticket, list(reqs), list(new), [r.total for r in reqs]), wake=False)
         if self.prespeculate:
             tokens, probs = self._lookup(reqs, max_lengths)
-            fig.hits += sum(1 for t in tokens if t)
-            fig.misses += sum(1 for t, m in zip(tokens, max_lengths, strict=True) if not t and m > 0)
-            self._look_up_missing(reqs, max_lengths, tokens, probs)
-            hits = sum(1 for t in tokens if t)  # rows with a chain, from their tree or by prompt lookup
+            from_trees = sum(1 for t in tokens if t)
             missed = sum(1 for t, m in zip(tokens, max_lengths, strict=True) if not t and m > 0)
+            fig.hits += from_trees
+            fig.misses += missed
+            looked_up = self._look_up_missing(reqs, max_lengths, tokens, probs) if missed else 0
+            hits, missed = from_trees + looked_up, missed - looked_up  # with a chain, from a tree or a lookup
         else:
             tokens, probs = [[] for _ in reqs], [[] for _ in reqs]
             hits, missed = 0, sum(1 for m in max_lengths if m > 0)
@@ -192,15 +193,19 @@ class PreSpeculator:
         return tokens, probs
 
     def _look_up_missing(self, reqs: Sequence[Tracked], max_lengths: Sequence[int], tokens: list[list[int]],
-                         probs: list[list[float]]) -> None:
-        """Chains by prompt lookup over their own context for the rows that want one and have none."""
+                         probs: list[list[float]]) -> int:
+        """Chains by prompt lookup over their own context for the rows that want one and have none; returns how
+        many rows got one."""
+        found = 0
         for i, (req, max_len) in enumerate(zip(reqs, max_lengths, strict=True)):
             if max_len > 0 and not tokens[i]:
                 chain, n = req.ngrams.chain(req.recent, max_len)
                 if chain:
                     first = LOOKUP_FIRST[n]
                     tokens[i], probs[i] = chain, [first * LOOKUP_DECAY ** j for j in range(len(chain))]
-                    self.figures.looked_up += 1
+                    found += 1
+        self.figures.looked_up += found
+        return found
 
     def _cut(self, req: Tracked, landed: tuple[int, PackedTrees | None, int], max_len: int
              ) -> tuple[list[int], list[float]]:
