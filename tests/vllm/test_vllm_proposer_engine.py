@@ -234,6 +234,8 @@ def test_a_service_stopped_for_20_s_never_stalls_the_engine_and_drafts_resume(fi
           f"{answers_again * 1e3:.0f} ms after SIGCONT ({answers[-1] - answers[0]} more answers in the "
           f"{seen[-1][0] - resumed[0]:.0f} s after); chains from the service's trees "
           f"{'none' if drafts_again is None else f'{drafts_again * 1e3:.0f} ms'} after SIGCONT")
+    assert drafts_again is not None and drafts_again <= 1.0 + 0.25, \
+        f"no chain cut from the service's trees within a second of SIGCONT: {tail}"
     assert max(during) < 1.0 and longest < 1500  # no step waited out DRAFTER_TIMEOUT (2 s) on the stopped service
     wait_for(lambda: stats(service)["stored_requests"] >= stored_before + len(STOPPED_LIMITS), 30,
              "every request of the generation stored, those that ended during the stop included")
