@@ -101,6 +101,7 @@ class DraftSender:
         self._busy = False
         self._ready = False  # woken: what is queued may go
         self._call_since = 0.0  # time.monotonic() when the call out began (0: none)
+        self.cpu_seconds = 0.0  # CPU time this thread spent on what was queued (time it may take from the engine's)
         self._live: dict[int, Tracked] = {}  # id -> request, in the order they opened
         self._thread = threading.Thread(target=self._run, name="drafter-sender", daemon=True)
         self._thread.start()
@@ -155,11 +156,13 @@ class DraftSender:
                 if not items and self._closing:
                     return
                 self._busy = True
+            started = time.thread_time()
             try:
                 self._handle(items)
             except Exception:
                 logger.exception("drafter: a step's drafts were lost")
             finally:
+                self.cpu_seconds += time.thread_time() - started
                 self._busy = False
 
     def _handle(self, items: Sequence[Opened | Stepped | Ended]) -> None:

@@ -175,6 +175,11 @@ class PreSpeculator:
         for req, n in zip(reqs, lengths, strict=True):
             req.proposed = n
 
+    @property
+    def sender_cpu_seconds(self) -> float:
+        """CPU time the sender's thread spent so far (sending steps, indexing the trees that came back)."""
+        return self._sender.cpu_seconds
+
     def close_all(self) -> None:
         """Stop the sender after what is queued was sent."""
         self._sender.close()

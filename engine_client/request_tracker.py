@@ -53,6 +53,7 @@ class StepFigures:
     round_trip_ms: float = 0.0  # running mean of a DraftBatch round trip
     step_ms: float = 0.0  # running mean of the engine's step
     longest_step_ms: float = 0.0  # the longest time from one step to the next, no request joining between
+    sender_cpu_ms: float = 0.0  # CPU time of pre-speculation's background thread so far
 
 
 class _Request:
@@ -224,3 +225,4 @@ class RequestTracker:
                                                                                   spec.waits, spec.late)
         fig.looked_up, fig.answers = spec.looked_up, spec.answers
         fig.round_trip_ms, fig.step_ms = spec.round_trip_seconds * 1e3, spec.step_seconds * 1e3
+        fig.sender_cpu_ms = self.speculator.sender_cpu_seconds * 1e3

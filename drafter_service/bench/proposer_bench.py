@@ -203,8 +203,8 @@ def format_results(results: Sequence[dict[str, Any]], header: str) -> str:
     per step) and, for drafter, with the synchronous run (tokens per step)."""
     by = {(r["method"], r["batch"]): r for r in results}
     lines = [header, "", "| B | method | steps | propose p50 ms | p50 vs suffix | p99 ms | mean ms | tokens/step | "
-             "vs suffix | vs drafter-sync | drafted rows | pre-spec hit rate | by prompt lookup | sync waits/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "vs suffix | vs drafter-sync | drafted rows | pre-spec hit rate | by prompt lookup | sync waits/step | "
+             "sender CPU ms/step |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         tps = r["tokens_per_step"]
         suffix, sync = by.get(("suffix", r["batch"])), by.get(("drafter-sync", r["batch"]))
@@ -213,18 +213,19 @@ def format_results(results: Sequence[dict[str, Any]], header: str) -> str:
         p50_vs = _ratio(r["p50_ms"], suffix["p50_ms"]) if suffix and other else "-"
         vs_sync = _ratio(tps, sync["tokens_per_step"]) if sync and r["method"] == "drafter" else "-"
         figures = r.get("figures")
-        hit = sync_waits = looked_up = "-"
+        hit = sync_waits = looked_up = sender = "-"
         if figures is not None:
             tried = figures.get("prespec_hits", 0) + figures.get("prespec_misses", 0)
             hit = f"{figures.get('prespec_hits', 0) / tried:.1%}" if tried else "-"
             looked_up = f"{figures.get('looked_up', 0) / tried:.1%}" if tried else "-"
             steps = figures.get("steps", 0)
             sync_waits = f"{figures.get('sync_waits', 0) / steps:.2f}" if steps else "-"
+            sender = f"{figures.get('sender_cpu_ms', 0) / steps:.3f}" if steps and r["method"] != "suffix" else "-"
         drafted = f"{r['drafted'] / r['rows']:.1%}" if r["rows"] else "-"
         mark = " (requests ran out)" if r.get("exhausted") else ""
         lines.append(f"| {r['batch']} | {r['method']} | {r['steps']}{mark} | {r['p50_ms']:.3f} | {p50_vs} | "
                      f"{r['p99_ms']:.3f} | {r['mean_ms']:.3f} | {tps:.3f} | {vs_suffix} | {vs_sync} | {drafted} | "
-                     f"{hit} | {looked_up} | {sync_waits} |")
+                     f"{hit} | {looked_up} | {sync_waits} | {sender} |")
     return "\n".join(lines)
 
 

@@ -27,7 +27,7 @@ PROPOSER_KINDS = ("custom_class", "ngram", "suffix")
 #: DrafterProposer's step figures a run reports (differences over the timed steps). Fields a proposer does not
 #: have (one from before pre-speculation) read as 0.
 FIGURES = ("steps", "rows", "drafted_rows", "draft_tokens", "seconds", "failures", "prespec_hits", "prespec_misses",
-           "sync_waits", "late_answers", "looked_up")
+           "sync_waits", "late_answers", "looked_up", "sender_cpu_ms")
 
 
 def greedy_accept(chain: Sequence[int], expected: Sequence[int]) -> int:

@@ -154,13 +154,15 @@ def test_drafter_proposer_drafts_a_request_the_service_was_warmed_with(service):
     assert run.tokens_per_step > 2.0  # the warmed requests come back: most drafts are right
     assert set(figures) == set(FIGURES)  # fields the proposer lacks read as 0
     assert figures["steps"] == len(run.propose_ms) and figures["drafted_rows"] > 0 and figures["failures"] == 0
+    assert figures["sender_cpu_ms"] > 0  # the background thread's time is counted
 
 
 def test_the_table_compares_with_suffix_and_the_synchronous_run_and_reads_missing_figures_as_absent():
     base = {"batch": 16, "steps": 50, "p50_ms": 1.0, "p99_ms": 2.0, "mean_ms": 1.2, "rows": 100, "drafted": 50}
     results = [
         {**base, "method": "drafter", "tokens_per_step": 2.4, "p50_ms": 0.5,
-         "figures": {"steps": 50, "prespec_hits": 30, "prespec_misses": 10, "sync_waits": 5, "looked_up": 4}},
+         "figures": {"steps": 50, "prespec_hits": 30, "prespec_misses": 10, "sync_waits": 5, "looked_up": 4,
+                     "sender_cpu_ms": 25.0}},
         {**base, "method": "drafter-sync", "tokens_per_step": 2.5, "figures": {"steps": 50}},
         {**base, "method": "suffix", "tokens_per_step": 2.0},
     ]
@@ -168,6 +170,6 @@ def test_the_table_compares_with_suffix_and_the_synchronous_run_and_reads_missin
     assert lines[0] == "header"
     rows = {cells[2]: cells for cells in ([c.strip() for c in line.split("|")] for line in lines[4:])}
     assert rows["drafter"][4:6] == ["0.500", "0.50×"]
-    assert rows["drafter"][9:15] == ["1.20×", "0.96×", "50.0%", "75.0%", "10.0%", "0.10"]
-    assert rows["drafter-sync"][9:15] == ["1.25×", "-", "50.0%", "-", "-", "0.00"]
-    assert rows["suffix"][5] == "-" and rows["suffix"][9:15] == ["-", "-", "50.0%", "-", "-", "-"]
+    assert rows["drafter"][9:16] == ["1.20×", "0.96×", "50.0%", "75.0%", "10.0%", "0.10", "0.500"]
+    assert rows["drafter-sync"][9:16] == ["1.25×", "-", "50.0%", "-", "-", "0.00", "0.000"]
+    assert rows["suffix"][5] == "-" and rows["suffix"][9:16] == ["-", "-", "50.0%", "-", "-", "-", "-"]
