@@ -378,9 +378,28 @@ class DrafterClient(LocalFigures):
             DrafterRequestError: an unknown or repeated session, bad token ids, budget or step time; nothing is
                 recorded then.
         """
+        batch = step_batch.begin(self._book, items, max_nodes, step_seconds, plain_step_seconds)
+        self._fetch_batch(batch, max_nodes, step_seconds, plain_step_seconds, False)
+        return step_batch.finish(self._book, batch)
+
+    def draft_batch_packed(self, items: Sequence[tuple[str, Sequence[int]]], max_nodes: int = 0,
+                           step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> step_batch.PackedBatch:
+        """``draft_batch`` with the trees as flat arrays. A reply that answers every session at once (the usual
+        case without reuse) is taken as it came, with no tree object per session.
+
+        Raises:
+            DrafterRequestError: as ``draft_batch``.
+        """
+        batch = step_batch.begin(self._book, items, max_nodes, step_seconds, plain_step_seconds)
+        whole = self._fetch_batch(batch, max_nodes, step_seconds, plain_step_seconds, True)
+        return whole if whole is not None else step_batch.PackedBatch.of_trees(step_batch.finish(self._book, batch))
+
+    def _fetch_batch(self, batch: step_batch.StepBatch, max_nodes: int, step_seconds: float,
+                     plain_step_seconds: float, packed: bool) -> step_batch.PackedBatch | None:
+        """Fetch what ``batch`` still lacks in up to four DraftBatch calls; with ``packed``, a first reply that
+        answers every session is returned as flat arrays (None: the trees are in ``batch``)."""
         book = self._book
-        batch = step_batch.begin(book, items, max_nodes, step_seconds, plain_step_seconds)
-        for _ in range(4 if self._backoff.ready() else 0):
+        for attempt in range(4 if self._backoff.ready() else 0):
             call = step_batch.next_call(book, batch, self.namespace, max_nodes, step_seconds, plain_step_seconds)
             if call is None:
                 break
@@ -389,9 +408,11 @@ class DrafterClient(LocalFigures):
             except grpc.RpcError as exc:
                 step_batch.call_failed(book, self._backoff, call, exc)
                 break
+            if packed and not attempt and step_batch.answers_whole(book, batch, call, reply):
+                return step_batch.take_packed(book, self._backoff, batch, call, reply)
             if not step_batch.took(book, self._backoff, batch, call, reply, max_nodes):
                 break
-        return step_batch.finish(book, batch)
+        return None
 
     def end(self, session: str, accepted: Sequence[int]) -> None:
         """Close a session with its last tokens; the whole request is stored now, or buffered until it can be.

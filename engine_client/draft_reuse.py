@@ -425,30 +425,47 @@ class SessionBook:
             Per entry: the engine's part of its tree (None for a report).
         """
         out: list[DraftTree | None] = []
-        stats = self.stats
         now = perf_counter_ns()
         with self._lock:
             for entry, tree in zip(entries, trees, strict=True):
-                state = entry.state
-                if not entry.done:
-                    entry.done, entry.tree = True, tree
-                    if entry in state.pending:
-                        state.pending.remove(entry)
-                    if entry.generation == state.generation:
-                        state.acked = max(state.acked, entry.upto)
+                self._settle(entry, tree)
                 if entry.report or entry.prefetch:
                     out.append(None)
                     continue
                 got = entry.tree if entry.tree is not None else EMPTY_TREE
-                engine = min(max_nodes or state.max_nodes, self.limit)
-                part = got.prefix(engine)
-                state.full, state.full_base, state.last_kind = got, entry.upto, ("fetch" if len(part) else "")
-                stats.steps += 1
-                stats.fetched_steps += 1
-                stats.fetched_nodes += len(part)
-                stats.round_trip_ns += now - t0
+                part = got.prefix(min(max_nodes or entry.state.max_nodes, self.limit))
+                self._fetched_whole(entry, got, len(part), now - t0)
                 out.append(part)
         return out
+
+    def answered_packed(self, entries: Sequence[Pending], sizes: Sequence[int], t0: int) -> None:
+        """``answered_all`` for a batch taken as flat arrays, without a tree object per step: without reuse each
+        tree is the engine's whole part, and no later step reads it back (``sizes``: each tree's nodes)."""
+        now = perf_counter_ns()
+        with self._lock:
+            for entry, size in zip(entries, sizes, strict=True):
+                self._settle(entry, EMPTY_TREE)  # answered (its tree is in the arrays)
+                self._fetched_whole(entry, EMPTY_TREE, size, now - t0)
+
+    def _settle(self, entry: Pending, tree: DraftTree) -> None:
+        """``entry`` was answered with ``tree`` (hold the lock)."""
+        state = entry.state
+        if not entry.done:
+            entry.done, entry.tree = True, tree
+            if entry in state.pending:
+                state.pending.remove(entry)
+            if entry.generation == state.generation:
+                state.acked = max(state.acked, entry.upto)
+
+    def _fetched_whole(self, entry: Pending, tree: DraftTree, nodes: int, round_trip_ns: int) -> None:
+        """The session keeps ``tree`` as its latest and the statistics count a fetch of ``nodes`` (hold the
+        lock)."""
+        state, stats = entry.state, self.stats
+        state.full, state.full_base, state.last_kind = tree, entry.upto, ("fetch" if nodes else "")
+        stats.steps += 1
+        stats.fetched_steps += 1
+        stats.fetched_nodes += nodes
+        stats.round_trip_ns += round_trip_ns
 
     def failed(self, entry: Pending, code: str, details: str = "", culprit: bool = False,
                definite: bool = False) -> None:

@@ -18,6 +18,7 @@ from engine_client.client import DrafterClient
 from engine_client.client_common import DrafterRequestError
 from engine_client.context_ngrams import ContextNgrams
 from engine_client.packed_trees import PackedTrees
+from engine_client.step_batch import PackedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ class DraftSender:
         t0 = time.perf_counter()
         self._call_since = time.monotonic()
         try:
-            trees = self.client.draft_batch(items, self.max_nodes)
+            trees = self.client.draft_batch_packed(items, self.max_nodes)
         except DrafterRequestError as exc:
             self._on_refused(str(exc))
             return
@@ -216,7 +217,8 @@ class DraftSender:
         if answered and self.client.buffered:  # requests that ended while the service was away
             self.client.flush()
         self._on_landed(Landed(ticket, reqs, [totals.get(id(r), r.total) for r in reqs],
-                               PackedTrees.from_trees(trees if answered else [], self.width, self.min_prob),
+                               PackedTrees.of_batch(trees if answered else PackedBatch.of_trees([]), self.width,
+                                                    self.min_prob),
                                time.perf_counter() - t0, answered))
 
     def _end(self, req: Tracked) -> None:

@@ -12,12 +12,12 @@ Nodes are named by codes: tree ``t``'s root (the last token of its context) is c
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
 
 from drafter_service.api.tree import DraftTree
+from engine_client.step_batch import PackedBatch
 
 __all__ = ["PackedTrees"]
 
@@ -67,12 +67,14 @@ class PackedTrees:
         self.prob: list[float] = [1.0] * trees + node_prob.tolist()
 
     @classmethod
+    def of_batch(cls, batch: PackedBatch, width: int, min_prob: float = 0.0) -> PackedTrees:
+        """Index the trees of a step (``DrafterClient.draft_batch_packed``)."""
+        return cls(batch.token_ids, batch.parents, batch.probs, batch.offsets, width, min_prob)
+
+    @classmethod
     def from_trees(cls, trees: Sequence[DraftTree], width: int, min_prob: float = 0.0) -> PackedTrees:
         """Index DraftTrees."""
-        offsets = [0, *itertools.accumulate(len(t) for t in trees)]
-        flat = itertools.chain.from_iterable
-        return cls(list(flat(t.token_ids for t in trees)), list(flat(t.parents for t in trees)),
-                   list(flat(t.probs for t in trees)), offsets, width, min_prob)
+        return cls.of_batch(PackedBatch.of_trees(trees), width, min_prob)
 
     def descend(self, code: int, path: Sequence[int]) -> int:
         """The code reached by following ``path`` down from ``code``; -1 where the path leaves the tree."""

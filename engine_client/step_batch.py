@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from time import perf_counter_ns
@@ -28,6 +29,33 @@ class StepBatch:
     reports: list[int]  # steps served from an earlier tree: their new trees ride along with the first fetch
     reused: bool  # some session's tree is a reused subtree
     t0: int = field(default_factory=perf_counter_ns)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Every session's tree of a step as flat arrays, as a DraftBatch reply carries them: tree ``i`` is nodes
+    ``offsets[i]`` to ``offsets[i + 1] - 1`` of ``token_ids``, ``parents`` (local to the tree, -1 for a child of
+    the root) and ``probs``."""
+
+    offsets: np.ndarray
+    token_ids: np.ndarray
+    parents: np.ndarray
+    probs: np.ndarray
+
+    @classmethod
+    def of_trees(cls, trees: Sequence[DraftTree]) -> PackedBatch:
+        """DraftTrees one after another."""
+        offsets = np.zeros(len(trees) + 1, np.int64)
+        np.cumsum([len(t) for t in trees], out=offsets[1:])
+        flat = itertools.chain.from_iterable
+        return cls(offsets, np.array(list(flat(t.token_ids for t in trees)), np.int64),
+                   np.array(list(flat(t.parents for t in trees)), np.int64),
+                   np.array(list(flat(t.probs for t in trees)), np.float64))
+
+    def tree(self, i: int) -> tuple[list[int], list[int], list[float]]:
+        """Tree ``i``'s (token ids, parents, estimates)."""
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.token_ids[lo:hi].tolist(), self.parents[lo:hi].tolist(), self.probs[lo:hi].tolist()
 
 
 @dataclass
@@ -91,6 +119,25 @@ def call_failed(book: SessionBook, backoff: Backoff, call: BatchCall, exc: grpc.
     for _, entry in call.entries:
         book.failed(entry, code, details, definite=code in CALLER_ERRORS)
     backoff.failure(f"{code}: {details}")
+
+
+def answers_whole(book: SessionBook, batch: StepBatch, call: BatchCall, reply: pb.DraftBatchResponse) -> bool:
+    """Whether ``reply`` gave every session of ``batch`` its tree in one go (no reuse, no refusal, one tree per
+    session in order), so that it can be taken as flat arrays (``take_packed``)."""
+    return (not book.reuse and not reply.step_errors and not reply.start_errors
+            and len(call.entries) == len(batch.states) == len(reply.tree_offsets) - 1
+            and all(i == k for k, (i, _) in enumerate(call.entries)))
+
+
+def take_packed(book: SessionBook, backoff: Backoff, batch: StepBatch, call: BatchCall,
+                reply: pb.DraftBatchResponse) -> PackedBatch:
+    """Take in a reply that ``answers_whole``: its arrays as they came, each session's step settled."""
+    backoff.success()
+    offsets = np.asarray(reply.tree_offsets, np.int64)
+    book.answered_packed([entry for _, entry in call.entries], np.diff(offsets).tolist(), batch.t0)
+    n = int(offsets[-1])
+    return PackedBatch(offsets, np.frombuffer(reply.token_ids, "<i4", n), np.frombuffer(reply.parents, "<i4", n),
+                       np.frombuffer(reply.probs, "<f4", n))
 
 
 def took(book: SessionBook, backoff: Backoff, batch: StepBatch, call: BatchCall, reply: pb.DraftBatchResponse,

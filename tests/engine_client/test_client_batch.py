@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from serving import free_port
 
-from drafter_service.api.tree import accept_greedy
+from drafter_service.api.tree import DraftTree, accept_greedy
 from drafter_service.core.config import DrafterConfig
 from drafter_service.rpc.server import create_server
 from drafter_service.service.config import ServiceConfig
-from engine_client import AsyncDrafterClient, DrafterClient, DrafterRequestError, DrafterUnavailable
+from engine_client import AsyncDrafterClient, DrafterClient, DrafterRequestError, DrafterUnavailable, step_batch
 
 VOCAB = 300
 CONFIG = ServiceConfig(drafter=DrafterConfig(capacity=1 << 16, tail_tokens=64), default_vocab_size=VOCAB,
@@ -40,14 +40,26 @@ def workload(seed: int, n: int) -> list[tuple[list[int], list[int]]]:
             for _ in range(n)]
 
 
-def run_engine(client: DrafterClient, requests, batched: bool, max_nodes: int = 8) -> list[list]:
+def packed_trees(client: DrafterClient, items, max_nodes: int) -> list[DraftTree]:
+    """``draft_batch_packed``'s trees as DraftTrees (without the sources, which it does not carry)."""
+    batch = client.draft_batch_packed(items, max_nodes)
+    assert len(batch.offsets) == len(items) + 1
+    return [DraftTree(tuple(t), tuple(p), tuple(q), float(sum(q))) for t, p, q in map(batch.tree, range(len(items)))]
+
+
+def run_engine(client: DrafterClient, requests, batched: bool, max_nodes: int = 8, packed: bool = False
+               ) -> list[list]:
     """Generate every request at once, one engine step at a time; returns the trees of each step."""
     sids = [client.start(p) for p, _ in requests]
     pos, pending, steps = [0] * len(requests), [[] for _ in requests], []
     live = list(range(len(requests)))
     while live:
         items = [(sids[i], pending[i]) for i in live]
-        trees = client.draft_batch(items, max_nodes) if batched else [client.draft(s, a, max_nodes) for s, a in items]
+        if packed:
+            trees = packed_trees(client, items, max_nodes)
+        else:
+            trees = client.draft_batch(items, max_nodes) if batched else [client.draft(s, a, max_nodes)
+                                                                         for s, a in items]
         steps.append(trees)
         for tree, i in zip(trees, live, strict=True):
             tree.check_invariants(max_nodes=max_nodes)
@@ -74,6 +86,26 @@ def test_a_batch_gives_every_session_the_tree_draft_gives_it(two_addresses):
     batched, single = results
     assert batched == single
     assert sum(len(t) for step in batched for t in step) > 0
+
+
+def test_a_packed_batch_holds_the_trees_a_batch_gives(two_addresses, monkeypatch):
+    """``draft_batch_packed`` takes the reply's arrays as they came (never through tree objects while the service
+    answers every session): the same trees, step after step."""
+    def no_trees(trees):
+        raise AssertionError("a whole reply went through tree objects")
+
+    monkeypatch.setattr(step_batch.PackedBatch, "of_trees", staticmethod(no_trees))
+    history = workload(1, 10)
+    requests = workload(2, 6)
+    results = []
+    for addr, packed in zip(two_addresses, (False, True), strict=True):
+        with DrafterClient(addr, reuse=False) as client:
+            client.ingest(history)
+            results.append(run_engine(client, requests, True, packed=packed))
+            figures = client.stats_local()
+            assert client.stats()["stored_requests"] == 16
+        assert figures.fetched_steps == sum(len(step) for step in results[-1]) and figures.fetched_nodes > 0
+    assert results[0] == results[1] and any(len(tree) for step in results[0] for tree in step)
 
 
 def test_with_reuse_the_service_still_stores_every_token(two_addresses):
