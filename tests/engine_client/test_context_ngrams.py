@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from engine_client.context_ngrams import MAX_INDEXED_TOKENS, ContextNgrams
+import numpy as np
+
+from engine_client.context_ngrams import BULK, MAX_INDEXED_TOKENS, ContextNgrams
 
 
 def indexed(tokens):
@@ -36,3 +38,20 @@ def test_tokens_arrive_in_pieces_and_the_index_stops_at_its_bound():
     assert pieces.tokens == whole.tokens and pieces.chain([48, 49], 3) == whole.chain([48, 49], 3) == ([0, 1, 2], 2)
     big = indexed([1, 2] + [0] * MAX_INDEXED_TOKENS + [1, 2, 7])
     assert len(big.tokens) == MAX_INDEXED_TOKENS and big.chain([1, 2], 1) == ([0], 2)  # past the bound: unindexed
+
+
+def test_a_prompt_indexed_at_once_looks_up_as_one_indexed_token_by_token():
+    rng = np.random.default_rng(3)
+    for size in (BULK, 500, MAX_INDEXED_TOKENS + 40):
+        tokens = rng.integers(0, 40, size).tolist()
+        at_once = indexed(tokens)
+        one_by_one = ContextNgrams()
+        for tok in tokens:
+            one_by_one.extend([tok])
+        assert at_once.tokens == one_by_one.tokens
+        for end in rng.integers(1, size, 50).tolist():
+            last = tokens[max(end - 3, 0):end]
+            assert at_once.chain(last, 4) == one_by_one.chain(last, 4)
+        assert at_once._trigrams == one_by_one._trigrams and at_once._unigrams == one_by_one._unigrams
+    wide = indexed([5, 1 << 22, 6] * BULK)  # an id that does not pack: indexed token by token
+    assert wide.chain([5, 1 << 22], 1) == ([6], 2)
