@@ -156,18 +156,25 @@ def _engines_rate(engines: list[WireEngine], budget: int, steps: int) -> float:
     return sum(len(e.slots) for e in engines) * steps / (time.perf_counter() - t0)
 
 
-def _time_steps(engine: Engine, batched: bool, budget: int, steps: int) -> list[float]:
-    """Milliseconds of drafting per engine step (every request's draft), ``steps`` of them after two to warm up."""
+def _time_steps(engine: Engine, path: str, budget: int, steps: int) -> list[float]:
+    """Milliseconds of drafting per engine step (every request's draft), ``steps`` of them after two to warm up;
+    ``path``: "single" (one Draft per request), "batch" (``draft_batch``) or "packed" (``draft_batch_packed``)."""
     times = []
     for i in range(steps + 2):
         items = engine.items()
         t0 = time.perf_counter()
-        if batched:
+        packed = None
+        if path == "batch":
             trees = engine.client.draft_batch(items, budget)
+        elif path == "packed":
+            packed = engine.client.draft_batch_packed(items, budget)
         else:
             trees = [engine.client.draft(sid, accepted, budget) for sid, accepted in items]
         if i >= 2:
             times.append((time.perf_counter() - t0) * 1e3)
+        if packed is not None:  # trees for the acceptance, outside the time
+            trees = [DraftTree(tuple(t), tuple(p), tuple(q), float(sum(q))) for t, p, q in map(packed.tree,
+                                                                                               range(len(items)))]
         engine.advance(trees)
     return times
 
@@ -191,8 +198,9 @@ def run_batch_bench(args: argparse.Namespace) -> int:
             wire = " DraftBatch, bare: ms/step | drafts/s |" if args.wire else ""
             many = f" {args.engines} bare engines: drafts/s |" if args.engines else ""
             print(f"| B | budget | per-request Draft: ms/step | DraftBatch: ms/step | speedup | DraftBatch drafts/s |"
-                  f"{wire}{many}")
-            print("|---|---|---|---|---|---|" + ("---|---|" if args.wire else "") + ("---|" if args.engines else ""))
+                  f" DraftBatch packed: ms/step | drafts/s |{wire}{many}")
+            print("|---|---|---|---|---|---|---|---|" + ("---|---|" if args.wire else "") +
+                  ("---|" if args.engines else ""))
             with DrafterClient(svc.address, timeout=30.0, reuse=bool(args.reuse)) as client, \
                     grpc.insecure_channel(svc.address) as channel:
                 stub = pb_grpc.DrafterStub(channel)
@@ -200,15 +208,14 @@ def run_batch_bench(args: argparse.Namespace) -> int:
                 for budget in budgets:
                     for b in batches:
                         medians = []
-                        for path in ("single", "batch", "wire") if args.wire else ("single", "batch"):
+                        for path in ("single", "batch", "packed", "wire")[:4 if args.wire else 3]:
                             engine: Engine | WireEngine
                             if path == "wire":
                                 engine = WireEngine(stub, held, b, offset=cursor)
                                 medians.append(float(np.median(_time_wire(engine, budget, args.steps))))
                             else:
                                 engine = Engine(client, held, b, offset=cursor)
-                                medians.append(float(np.median(_time_steps(engine, path == "batch", budget,
-                                                                           args.steps))))
+                                medians.append(float(np.median(_time_steps(engine, path, budget, args.steps))))
                             engine.close()
                             if engine.next > len(held) >= cursor:
                                 print(f"(requests replayed from here on: the {len(held)} held-out ones are used up)")
@@ -221,10 +228,11 @@ def run_batch_bench(args: argparse.Namespace) -> int:
                             for engine in fleet:
                                 engine.close()
                             cursor = max(engine.next for engine in fleet)
-                        single, batch = medians[:2]
-                        bare = f" {medians[2]:.2f} | {b / medians[2] * 1e3:,.0f} |" if args.wire else ""
+                        single, batch, packed = medians[:3]
+                        bare = f" {medians[3]:.2f} | {b / medians[3] * 1e3:,.0f} |" if args.wire else ""
                         print(f"| {b} | {budget} | {single:.2f} | {batch:.2f} | {single / batch:.1f}× | "
-                              f"{b / batch * 1e3:,.0f} |{bare}{rate}", flush=True)
+                              f"{b / batch * 1e3:,.0f} | {packed:.2f} | {b / packed * 1e3:,.0f} |{bare}{rate}",
+                              flush=True)
         finally:
             svc.stop()
     return 0
