@@ -14,6 +14,7 @@ from drafter_service.core.config import DrafterConfig
 from drafter_service.rpc.server import create_server
 from drafter_service.service.config import ServiceConfig
 from engine_client import AsyncDrafterClient, DrafterClient, DrafterRequestError, DrafterUnavailable, step_batch
+from engine_client.client_common import ClientStats
 
 VOCAB = 300
 CONFIG = ServiceConfig(drafter=DrafterConfig(capacity=1 << 16, tail_tokens=64), default_vocab_size=VOCAB,
@@ -73,17 +74,23 @@ def run_engine(client: DrafterClient, requests, batched: bool, max_nodes: int = 
     return steps
 
 
-def test_a_batch_gives_every_session_the_tree_draft_gives_it(two_addresses):
-    history = workload(1, 10)
-    requests = workload(2, 6)
-    results = []
-    for addr, batched in zip(two_addresses, (True, False), strict=True):
+def side_by_side(addresses, runs: list[dict]) -> list[tuple[list[list], ClientStats]]:
+    """Each run (``run_engine``'s keyword arguments) on its own service after the same history: the trees of each
+    step and the client's own figures."""
+    history, requests = workload(1, 10), workload(2, 6)
+    out = []
+    for addr, kwargs in zip(addresses, runs, strict=True):
         with DrafterClient(addr, reuse=False) as client:
             client.ingest(history)
-            results.append(run_engine(client, requests, batched))
+            steps = run_engine(client, requests, **kwargs)
             stats = client.stats()
             assert stats["stored_requests"] == 16 and stats["active_sessions"] == 0
-    batched, single = results
+            out.append((steps, client.stats_local()))
+    return out
+
+
+def test_a_batch_gives_every_session_the_tree_draft_gives_it(two_addresses):
+    (batched, _), (single, _) = side_by_side(two_addresses, [{"batched": True}, {"batched": False}])
     assert batched == single
     assert sum(len(t) for step in batched for t in step) > 0
 
@@ -95,17 +102,10 @@ def test_a_packed_batch_holds_the_trees_a_batch_gives(two_addresses, monkeypatch
         raise AssertionError("a whole reply went through tree objects")
 
     monkeypatch.setattr(step_batch.PackedBatch, "of_trees", staticmethod(no_trees))
-    history = workload(1, 10)
-    requests = workload(2, 6)
-    results = []
-    for addr, packed in zip(two_addresses, (False, True), strict=True):
-        with DrafterClient(addr, reuse=False) as client:
-            client.ingest(history)
-            results.append(run_engine(client, requests, True, packed=packed))
-            figures = client.stats_local()
-            assert client.stats()["stored_requests"] == 16
-        assert figures.fetched_steps == sum(len(step) for step in results[-1]) and figures.fetched_nodes > 0
-    assert results[0] == results[1] and any(len(tree) for step in results[0] for tree in step)
+    results = side_by_side(two_addresses, [{"batched": True}, {"batched": True, "packed": True}])
+    for steps, figures in results:
+        assert figures.fetched_steps == sum(len(step) for step in steps) and figures.fetched_nodes > 0
+    assert results[0][0] == results[1][0] and any(len(tree) for step in results[0][0] for tree in step)
 
 
 def test_with_reuse_the_service_still_stores_every_token(two_addresses):
