@@ -23,6 +23,7 @@ from drafter_service.bench.replay import (
 )
 from drafter_service.core.drafter import Drafter
 from drafter_service.datasets.loaders import Request
+from engine_client.step_batch import PackedBatch
 from engine_client.vllm import DrafterProposer, ProposerSettings
 
 
@@ -166,6 +167,9 @@ class CoreClient:
                 self.core.extend(session, gained)
             out.append(self.core.propose(session, max_nodes or self.max_nodes))
         return out
+
+    def draft_batch_packed(self, items: Sequence[tuple[str, Sequence[int]]], max_nodes: int = 0) -> PackedBatch:
+        return PackedBatch.of_trees(self.draft_batch(items, max_nodes))
 
     def end(self, session: str, accepted: Sequence[int]) -> None:
         self.core.end(session, accepted)
