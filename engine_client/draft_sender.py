@@ -18,7 +18,6 @@ from engine_client.client import DrafterClient
 from engine_client.client_common import DrafterRequestError
 from engine_client.context_ngrams import ContextNgrams
 from engine_client.packed_trees import PackedTrees
-from engine_client.step_batch import PackedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -217,8 +216,7 @@ class DraftSender:
         if answered and self.client.buffered:  # requests that ended while the service was away
             self.client.flush()
         self._on_landed(Landed(ticket, reqs, [totals.get(id(r), r.total) for r in reqs],
-                               PackedTrees.of_batch(trees if answered else PackedBatch.of_trees([]), self.width,
-                                                    self.min_prob),
+                               PackedTrees.of_batch(trees, self.width, self.min_prob),
                                time.perf_counter() - t0, answered))
 
     def _end(self, req: Tracked) -> None:

@@ -52,10 +52,12 @@ class PackedBatch:
                    np.array(list(flat(t.parents for t in trees)), np.int64),
                    np.array(list(flat(t.probs for t in trees)), np.float64))
 
-    def tree(self, i: int) -> tuple[list[int], list[int], list[float]]:
-        """Tree ``i``'s (token ids, parents, estimates)."""
+    def tree(self, i: int) -> DraftTree:
+        """Tree ``i`` as a DraftTree (without sources, which the arrays do not carry)."""
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-        return self.token_ids[lo:hi].tolist(), self.parents[lo:hi].tolist(), self.probs[lo:hi].tolist()
+        probs = tuple(self.probs[lo:hi].tolist())
+        return DraftTree(tuple(self.token_ids[lo:hi].tolist()), tuple(self.parents[lo:hi].tolist()), probs,
+                         float(sum(probs)))
 
 
 @dataclass
@@ -123,10 +125,10 @@ def call_failed(book: SessionBook, backoff: Backoff, call: BatchCall, exc: grpc.
 
 def answers_whole(book: SessionBook, batch: StepBatch, call: BatchCall, reply: pb.DraftBatchResponse) -> bool:
     """Whether ``reply`` gave every session of ``batch`` its tree in one go (no reuse, no refusal, one tree per
-    session in order), so that it can be taken as flat arrays (``take_packed``)."""
+    session), so that it can be taken as flat arrays (``take_packed``). Without reuse no session is served from an
+    earlier tree, so a call for every session asks in the batch's order (``next_call``)."""
     return (not book.reuse and not reply.step_errors and not reply.start_errors
-            and len(call.entries) == len(batch.states) == len(reply.tree_offsets) - 1
-            and all(i == k for k, (i, _) in enumerate(call.entries)))
+            and len(call.entries) == len(batch.states) == len(reply.tree_offsets) - 1)
 
 
 def take_packed(book: SessionBook, backoff: Backoff, batch: StepBatch, call: BatchCall,

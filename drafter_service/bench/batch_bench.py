@@ -173,8 +173,7 @@ def _time_steps(engine: Engine, path: str, budget: int, steps: int) -> list[floa
         if i >= 2:
             times.append((time.perf_counter() - t0) * 1e3)
         if packed is not None:  # trees for the acceptance, outside the time
-            trees = [DraftTree(tuple(t), tuple(p), tuple(q), float(sum(q))) for t, p, q in map(packed.tree,
-                                                                                               range(len(items)))]
+            trees = [packed.tree(k) for k in range(len(items))]
         engine.advance(trees)
     return times
 

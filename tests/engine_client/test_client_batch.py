@@ -45,7 +45,7 @@ def packed_trees(client: DrafterClient, items, max_nodes: int) -> list[DraftTree
     """``draft_batch_packed``'s trees as DraftTrees (without the sources, which it does not carry)."""
     batch = client.draft_batch_packed(items, max_nodes)
     assert len(batch.offsets) == len(items) + 1
-    return [DraftTree(tuple(t), tuple(p), tuple(q), float(sum(q))) for t, p, q in map(batch.tree, range(len(items)))]
+    return [batch.tree(k) for k in range(len(items))]
 
 
 def run_engine(client: DrafterClient, requests, batched: bool, max_nodes: int = 8, packed: bool = False
