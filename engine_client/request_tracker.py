@@ -66,7 +66,7 @@ class _Request:
         self.known = known  # tokens recorded (prompt and output)
         self.limit = limit  # most tokens the request may hold: later ones are vLLM's overshoot
         self.stops = stops  # token ids that end it
-        self.done = False  # a stop token or the limit reached: nothing more to send or draft
+        self.done = False  # a stop token or the limit reached: nothing more to send or draft (unless it goes on)
         self.probs: list[float] = []  # the estimates of the chain proposed last, for the calibration
 
 
@@ -128,7 +128,11 @@ class RequestTracker:
             if q is None:
                 q = self._open(rid, int(prompt_lens[i]), token_ids[i])
             if q.done:
-                continue
+                if n <= q.known or q.known >= q.limit:
+                    continue
+                # the engine went on past a token taken for a stop (it applies stops it was not given): follow the
+                # request again, to its token limit alone
+                q.done, q.stops = False, frozenset()
             upto = min(n, q.limit)
             if q.known + len(got) == n and n <= q.limit:
                 toks = list(got)  # the usual step: the sampled tokens are exactly what the row gained

@@ -28,7 +28,7 @@ from engine_client.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DrafterProposer", "ProposerSettings", "RequestTracker", "drafting_rank"]
+__all__ = ["DrafterProposer", "ProposerSettings", "RequestTracker", "drafting_rank", "stop_tokens"]
 
 _D = TypeVar("_D")
 
@@ -121,6 +121,17 @@ class ProposerSettings:
     def tree_nodes(self, k: int) -> int:
         """Nodes of the tree asked for per request when the engine verifies chains of at most ``k`` tokens."""
         return self.max_nodes or max(32, 4 * k)
+
+
+def stop_tokens(params: Any) -> frozenset[int]:
+    """The token ids that end a request with vLLM ``SamplingParams`` ``params``: its ``stop_token_ids`` and its
+    end-of-sequence token (None under ``ignore_eos``). Not ``all_stop_token_ids``: that set keeps the end-of-sequence
+    token under ``ignore_eos`` too (for ``min_tokens``), and such a request goes on past it."""
+    stops = set(getattr(params, "stop_token_ids", None) or ())
+    eos = getattr(params, "eos_token_id", None)
+    if eos is not None:
+        stops.add(int(eos))
+    return frozenset(stops)
 
 
 def drafting_rank(vllm_config: Any) -> bool:
@@ -267,8 +278,7 @@ class DrafterProposer:
         """A request's token limit and stop tokens, from its sampling parameters (none when unknown)."""
         params = getattr(self._runner.requests.get(req_id), "sampling_params", None)
         max_tokens = getattr(params, "max_tokens", None)
-        stops = frozenset(getattr(params, "all_stop_token_ids", None) or ())
-        return (prompt_len + max_tokens if max_tokens else sys.maxsize), stops
+        return (prompt_len + max_tokens if max_tokens else sys.maxsize), stop_tokens(params)
 
     def _end_finished(self, tracker: RequestTracker) -> None:
         try:

@@ -44,7 +44,7 @@ def simple_state(req_id: str, prompt: Sequence[int], max_tokens: int) -> SimpleN
     """A request's cached state with the fields vLLM's ``CachedRequestState`` gives the proposers."""
     return SimpleNamespace(req_id=req_id, prompt_token_ids=list(prompt), num_prompt_tokens=len(prompt),
                            output_token_ids=[], sampling_params=SimpleNamespace(
-                               max_tokens=max_tokens, all_stop_token_ids=frozenset()))
+                               max_tokens=max_tokens, stop_token_ids=[], eos_token_id=None))
 
 
 class SimpleInputBatch:

@@ -17,7 +17,7 @@ from drafter_service.core.config import DrafterConfig
 from drafter_service.rpc.server import create_server
 from drafter_service.service.config import ServiceConfig
 from engine_client import DrafterClient
-from engine_client.vllm import FIXED_MIN_PROB, DrafterProposer, ProposerSettings, drafting_rank
+from engine_client.vllm import FIXED_MIN_PROB, DrafterProposer, ProposerSettings, drafting_rank, stop_tokens
 
 VOCAB = 300
 MAX_LEN = 256
@@ -105,8 +105,8 @@ def generate(runner: Runner, requests: dict[str, tuple[list[int], list[int]]], o
             tokens[rid].append(requests[rid][1][made[rid]])
             sampled.append([tokens[rid][-1]])
             made[rid] += 1
-        for rid in rids:
-            runner.requests[rid] = SimpleNamespace(sampling_params=None)
+        for rid in rids:  # a request the test gave sampling parameters keeps them
+            runner.requests.setdefault(rid, SimpleNamespace(sampling_params=None))
         runner.place(rids, tokens, prompts)
         drafts.append(dict(zip(rids, runner.step(sampled), strict=True)))
     return drafts
@@ -193,9 +193,8 @@ def test_output_past_max_tokens_or_a_stop_token_is_neither_stored_nor_drafted(se
     proposer, runner = proposer_with_runner()
     rng = np.random.default_rng(2)
     prompt, output = rng.integers(0, VOCAB - 1, 10).tolist(), rng.integers(0, VOCAB - 1, 8).tolist()
-    runner.requests["a"] = SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=5, all_stop_token_ids=set()))
-    runner.requests["b"] = SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=50,
-                                                                           all_stop_token_ids={VOCAB - 1}))
+    runner.requests["a"] = SimpleNamespace(sampling_params=sampling(5))
+    runner.requests["b"] = SimpleNamespace(sampling_params=sampling(50, eos=VOCAB - 1))
     tokens = {"a": prompt + output, "b": prompt[::-1] + output[:3] + [VOCAB - 1] + output[3:]}
     runner.place(["a", "b"], tokens, {"a": 10, "b": 10})  # both overshot in one step (accepted drafts)
     assert runner.step([output, output[:3] + [VOCAB - 1] + output[3:]]) == [[], []]
@@ -204,6 +203,51 @@ def test_output_past_max_tokens_or_a_stop_token_is_neither_stored_nor_drafted(se
     with DrafterClient(address) as client:
         # a: prompt and max_tokens; b: up to its stop token; the store puts one separator after each request
         assert client.stats()["stored_tokens"] == (10 + 5 + 1) + (10 + 4 + 1)
+
+
+def sampling(max_tokens: int, eos: int | None = None, stops: tuple[int, ...] = (), ignore_eos: bool = False
+             ) -> SimpleNamespace:
+    """What the proposer reads of vLLM's SamplingParams: under ``ignore_eos`` its ``eos_token_id`` is None while
+    ``all_stop_token_ids`` still holds the end-of-sequence token (vLLM keeps it there for ``min_tokens``)."""
+    everything = set(stops) | ({eos} if eos is not None else set())
+    return SimpleNamespace(max_tokens=max_tokens, stop_token_ids=list(stops),
+                           eos_token_id=None if ignore_eos else eos, all_stop_token_ids=everything)
+
+
+def test_stop_tokens_are_the_stop_ids_and_the_end_of_sequence_token_unless_ignored():
+    assert stop_tokens(sampling(5, eos=7, stops=(3, 4))) == {3, 4, 7}
+    assert stop_tokens(sampling(5, eos=7, stops=(3,), ignore_eos=True)) == {3}
+    assert stop_tokens(None) == frozenset()
+
+
+def test_a_request_that_ignores_its_end_of_sequence_token_is_followed_and_stored_whole(service):
+    _, address = service
+    proposer, runner = proposer_with_runner()
+    eos = VOCAB - 1
+    prompt = DOC[:6] * 2
+    output = DOC[:3] + [eos] + DOC[:6] * 5  # generation goes on past the end-of-sequence token
+    runner.requests["a"] = SimpleNamespace(sampling_params=sampling(len(output), eos=eos, ignore_eos=True))
+    drafts = generate(runner, {"a": (prompt, output)}, [["a"]] * len(output))
+    assert any(d["a"] for d in drafts[len(drafts) // 2:]), "no draft after the end-of-sequence token"
+    runner.requests.clear()
+    wait_stored(address, 1)
+    with DrafterClient(address) as client:
+        assert client.stats()["stored_tokens"] == len(prompt) + len(output) + 1  # and one separator
+
+
+def test_a_request_the_engine_takes_past_a_stop_token_is_followed_again(service):
+    _, address = service
+    proposer, runner = proposer_with_runner()
+    stop = VOCAB - 1
+    prompt, output = DOC[:6] * 2, DOC[:3] + [stop] + DOC[:6] * 5
+    # the engine stops at none of the proposer's stop tokens (a stop the proposer cannot see the engine lift)
+    runner.requests["a"] = SimpleNamespace(sampling_params=sampling(len(output), stops=(stop,)))
+    drafts = generate(runner, {"a": (prompt, output)}, [["a"]] * len(output))
+    assert any(d["a"] for d in drafts[len(drafts) // 2:])
+    runner.requests.clear()
+    wait_stored(address, 1)
+    with DrafterClient(address) as client:
+        assert client.stats()["stored_tokens"] == len(prompt) + len(output) + 1
 
 
 def test_the_service_away_means_empty_drafts_and_no_exception(service):
