@@ -165,7 +165,8 @@ def test_a_service_stopped_for_20_s_never_stalls_the_engine_and_drafts_resume(fi
             stats(service)["stored_requests"] >= len(first[1].outputs) + opened
 
     wait_for(earlier_requests_stored, 30, "the requests of the generations before this one ended and stored")
-    stored_before = stats(service)["stored_requests"]
+    before_stop = stats(service)
+    stored_before, tokens_before = before_stop["stored_requests"], before_stop["stored_tokens"]
     # (time, steps, answers from the service, chains from its trees) of the proposer, every 20 ms; chains from its
     # trees: those cut from a landed tree plus waits its answer ended (prompt lookup drafts some rows without the
     # service, so draft tokens would not tell)
@@ -206,10 +207,21 @@ def test_a_service_stopped_for_20_s_never_stalls_the_engine_and_drafts_resume(fi
         watcher.join(5)
     assert stopped and resumed, "the service was not stopped and resumed during the generation"
     assert generation.outputs == plain["stopped"]
-    # the engine's steps while the service was stopped, against its steps before
-    def per_step(lo: float, hi: float) -> list[float]:  # mean step over each update of the figures file
-        return [(b[0] - a[0]) / (b[1] - a[1]) for a, b in zip(seen, seen[1:], strict=False)
-                if lo <= a[0] and b[0] <= hi and b[1] > a[1]]
+    # the engine's steps while the service was stopped, against its steps before: the mean step over each second
+    # or so, between updates of the figures file (read every 20 ms, rewritten every 0.2 s when steps were made)
+    updates = [row for prev, row in zip(seen, seen[1:], strict=False) if row[1] != prev[1]]
+
+    def per_step(lo: float, hi: float) -> list[float]:
+        within = [row for row in updates if lo <= row[0] <= hi]
+        if not within:
+            return []
+        means: list[float] = []
+        start = within[0]
+        for row in within[1:]:
+            if row[0] - start[0] >= 1.0:
+                means.append((row[0] - start[0]) / (row[1] - start[1]))
+                start = row
+        return means
 
     before, during = per_step(0.0, stopped[0]), per_step(stopped[0], resumed[0])
     assert during, "no engine step while the service was stopped"
@@ -229,7 +241,7 @@ def test_a_service_stopped_for_20_s_never_stalls_the_engine_and_drafts_resume(fi
     plain_step = sorted(before)[len(before) // 2] if before else 0.0
     longest = figures_file(stats_file)["longest_step_ms"]
     print(f"service stopped 20 s: engine step during the stop {max(during) * 1e3:.0f} ms at most (mean over each "
-          f"0.2 s update of the figures), {plain_step * 1e3:.0f} ms before it (median of the same); longest step "
+          f"second), {plain_step * 1e3:.0f} ms before it (median of the same); longest step "
           f"of the engine's whole run {longest:.0f} ms (a prefill included); answers again "
           f"{answers_again * 1e3:.0f} ms after SIGCONT ({answers[-1] - answers[0]} more answers in the "
           f"{seen[-1][0] - resumed[0]:.0f} s after); chains from the service's trees "
@@ -239,7 +251,12 @@ def test_a_service_stopped_for_20_s_never_stalls_the_engine_and_drafts_resume(fi
     assert max(during) < 1.0 and longest < 1500  # no step waited out DRAFTER_TIMEOUT (2 s) on the stopped service
     wait_for(lambda: stats(service)["stored_requests"] >= stored_before + len(STOPPED_LIMITS), 30,
              "every request of the generation stored, those that ended during the stop included")
-    assert stats(service)["stored_requests"] == stored_before + len(STOPPED_LIMITS)
+    after = stats(service)
+    assert after["stored_requests"] == stored_before + len(STOPPED_LIMITS)
+    # whole: prompt and every output token (the prompts' outputs go on past the end-of-sequence token), and the
+    # store's separator after each
+    whole = sum(len(p) + len(o) + 1 for p, o in zip(stopped_prompts(prompts), generation.outputs, strict=True))
+    assert after["stored_tokens"] == tokens_before + whole
 
 
 def test_generation_completes_with_the_same_output_when_the_service_is_killed(second, service, plain, prompts,
