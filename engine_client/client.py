@@ -383,36 +383,70 @@ class DrafterClient(LocalFigures):
         return step_batch.finish(self._book, batch)
 
     def draft_batch_packed(self, items: Sequence[tuple[str, Sequence[int]]], max_nodes: int = 0,
-                           step_seconds: float = 0.0, plain_step_seconds: float = 0.0) -> step_batch.PackedBatch:
+                           step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
+                           ends: Sequence[tuple[str, Sequence[int]]] = ()) -> step_batch.PackedBatch:
         """``draft_batch`` with the trees as flat arrays. A reply that answers every session at once (the usual
         case without reuse) is taken as it came, with no tree object per session.
 
+        ``ends``: sessions to close with their last tokens, as ``end`` would (stored now, or buffered until the
+        service is back), in the same call rather than one EndSession each.
+
         Raises:
-            DrafterRequestError: as ``draft_batch``.
+            DrafterRequestError: as ``draft_batch``; an unknown session in ``ends``, one that is also in ``items``,
+                or bad token ids there (nothing recorded then).
         """
+        closing, last = step_batch.check_ends(self._book, ends, items) if ends else ([], [])
         batch = step_batch.begin(self._book, items, max_nodes, step_seconds, plain_step_seconds)
-        whole = self._fetch_batch(batch, max_nodes, step_seconds, plain_step_seconds, True)
+        self._book.record_all(closing, last)
+        whole = self._fetch_batch(batch, max_nodes, step_seconds, plain_step_seconds, True, closing)
         return whole if whole is not None else step_batch.PackedBatch.of_trees(step_batch.finish(self._book, batch))
 
     def _fetch_batch(self, batch: step_batch.StepBatch, max_nodes: int, step_seconds: float,
-                     plain_step_seconds: float, packed: bool) -> step_batch.PackedBatch | None:
+                     plain_step_seconds: float, packed: bool, closing: Sequence[SessionState] = ()
+                     ) -> step_batch.PackedBatch | None:
         """Fetch what ``batch`` still lacks in up to four DraftBatch calls; with ``packed``, a first reply that
-        answers every session is returned as flat arrays (None: the trees are in ``batch``)."""
+        answers every session is returned as flat arrays (None: the trees are in ``batch``). The sessions of
+        ``closing`` end in the first call (one without steps, if need be); without a call, one by one."""
         book = self._book
+        out: step_batch.PackedBatch | None = None
         for attempt in range(4 if self._backoff.ready() else 0):
             call = step_batch.next_call(book, batch, self.namespace, max_nodes, step_seconds, plain_step_seconds)
+            if call is None and closing and not attempt:
+                call = step_batch.BatchCall(pb.DraftBatchRequest(), [], [])
             if call is None:
                 break
+            ending = step_batch.add_ends(book, call, closing) if not attempt else []
             try:
                 reply = self._stub.DraftBatch(call.request, timeout=self.timeout)
             except grpc.RpcError as exc:
                 step_batch.call_failed(book, self._backoff, call, exc)
+                self._ended(ending, None)
                 break
+            finally:
+                closing = [state for state in closing if state not in ending]
+            self._ended(ending, reply)
             if packed and not attempt and step_batch.answers_whole(book, batch, call, reply):
-                return step_batch.take_packed(book, self._backoff, batch, call, reply)
+                out = step_batch.take_packed(book, self._backoff, batch, call, reply)
+                break
             if not step_batch.took(book, self._backoff, batch, call, reply, max_nodes):
                 break
-        return None
+        for state in closing:  # not in a call: each as ``end`` does it
+            try:
+                self.end(state.local_id, ())
+            except DrafterRequestError as exc:
+                logger.error("drafter: the service refused a finished request (%s); not stored", exc)
+        return out
+
+    def _ended(self, sent: Sequence[SessionState], reply: pb.DraftBatchResponse | None) -> None:
+        """Settle the ends a DraftBatch carried: requests it may not have stored go by Ingest (under the session's
+        id, skipped if it did store them)."""
+        if not sent:
+            return
+        resend, refused = step_batch.ends_settled(self._book, sent, reply)
+        for reason in refused:
+            logger.error("drafter: the service refused a finished request (%s); not stored", reason)
+        if resend:
+            self._buffer.add([self._book.sequence(state) for state in resend])
 
     def end(self, session: str, accepted: Sequence[int]) -> None:
         """Close a session with its last tokens; the whole request is stored now, or buffered until it can be.

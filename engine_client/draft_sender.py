@@ -181,10 +181,8 @@ class DraftSender:
             else:
                 ended.append(item.req)
                 self._live.pop(id(item.req), None)
-        if ticket >= 0:
-            self._draft(ticket, totals)
-        for req in ended:
-            self._end(req)
+        if ticket >= 0 or ended:
+            self._draft(ticket, totals, [req for req in ended if req.session])
 
     def _open(self, item: Opened) -> None:
         item.req.ngrams.extend(item.prompt)
@@ -195,16 +193,17 @@ class DraftSender:
             return
         self._live[id(item.req)] = item.req
 
-    def _draft(self, ticket: int, totals: dict[int, int]) -> None:
-        """One DraftBatch with every live request's unsent tokens; each gets a tree for its new context."""
-        reqs = [r for r in self._live.values() if r.unsent]
-        if not reqs:
+    def _draft(self, ticket: int, totals: dict[int, int], ended: list[Tracked]) -> None:
+        """One DraftBatch with every live request's unsent tokens, each getting a tree for its new context, that
+        also ends the requests in ``ended`` (the service stores them)."""
+        reqs = [r for r in self._live.values() if r.unsent] if ticket >= 0 else []
+        if not reqs and not ended:
             return
         items = [(r.session, r.unsent) for r in reqs]
         t0 = time.perf_counter()
         self._call_since = time.monotonic()
         try:
-            trees = self.client.draft_batch_packed(items, self.max_nodes)
+            trees = self.client.draft_batch_packed(items, self.max_nodes, ends=[(r.session, r.unsent) for r in ended])
         except DrafterRequestError as exc:
             self._on_refused(str(exc))
             return
@@ -212,18 +211,12 @@ class DraftSender:
             self._call_since = 0.0
         for r in reqs:
             r.unsent = []
+        for r in ended:
+            r.unsent = []
         answered = self.client.available
         if answered and self.client.buffered:  # requests that ended while the service was away
             self.client.flush()
-        self._on_landed(Landed(ticket, reqs, [totals.get(id(r), r.total) for r in reqs],
-                               PackedTrees.of_batch(trees, self.width, self.min_prob),
-                               time.perf_counter() - t0, answered))
-
-    def _end(self, req: Tracked) -> None:
-        if not req.session:
-            return
-        try:
-            self.client.end(req.session, req.unsent)
-        except DrafterRequestError as exc:
-            logger.error("drafter: the service refused a finished request (%s)", exc)
-        req.unsent = []
+        if reqs:
+            self._on_landed(Landed(ticket, reqs, [totals.get(id(r), r.total) for r in reqs],
+                                   PackedTrees.of_batch(trees, self.width, self.min_prob),
+                                   time.perf_counter() - t0, answered))

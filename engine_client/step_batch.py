@@ -12,7 +12,7 @@ import numpy as np
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.tree import DraftTree
-from engine_client.client_common import CALLER_ERRORS, Backoff, DrafterRequestError, rpc_code
+from engine_client.client_common import CALLER_ERRORS, Backoff, DrafterRequestError, check_tokens, rpc_code
 from engine_client.draft_reuse import Pending, SessionBook, SessionState, trees_of_batch
 
 CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
@@ -112,6 +112,52 @@ def next_call(book: SessionBook, batch: StepBatch, namespace: str, max_nodes: in
                                           packed_tokens=np.array(tokens, "<i4").tobytes(), packed_counts=counts,
                                           packed_max_nodes=asks),
                      starts, list(zip(order, pending, strict=True)))
+
+
+def check_ends(book: SessionBook, ends: Sequence[tuple[str, Sequence[int]]],
+               items: Sequence[tuple[str, Sequence[int]]]) -> tuple[list[SessionState], list[list[int]]]:
+    """The sessions to end in a step's call and their last tokens, checked (nothing recorded).
+
+    Raises:
+        DrafterRequestError: an unknown session, one that ends twice or is also one of ``items``, or bad token ids.
+    """
+    states = [book.get(session) for session, _ in ends]
+    drafted = {id(book.get(session)) for session, _ in items}
+    if len({id(state) for state in states}) != len(states) or any(id(state) in drafted for state in states):
+        raise DrafterRequestError("a session ends twice in one batch, or both drafts and ends")
+    return states, [check_tokens(accepted, book.vocab_size, "accepted") for _, accepted in ends]
+
+
+def add_ends(book: SessionBook, call: BatchCall, states: Sequence[SessionState]) -> list[SessionState]:
+    """Put the EndSession of every session in ``states`` that the service holds in step into ``call`` (after its
+    steps, as the service takes them); returns those sessions, in the order of the call's ``end``."""
+    sent = [state for state in states if book.can_report(state)]
+    call.request.end.extend(book.end_request(state) for state in sent)
+    return sent
+
+
+def ends_settled(book: SessionBook, sent: Sequence[SessionState], reply: pb.DraftBatchResponse | None
+                 ) -> tuple[list[SessionState], list[str]]:
+    """Close the sessions a call ended (``reply`` None: the call got no answer).
+
+    Returns:
+        The sessions whose request is to go by Ingest (the service lost the session, or the call got no answer and
+        may or may not have stored it), and why the service refused the others that failed (the caller's fault:
+        retrying cannot help).
+    """
+    errors = {e.index: e for e in reply.end_errors} if reply is not None else {}
+    resend: list[SessionState] = []
+    refused: list[str] = []
+    for i, state in enumerate(sent):
+        book.close(state)
+        error = errors.get(i)
+        if reply is not None and error is None:
+            continue
+        if error is not None and CODE_NAMES.get(error.code, "UNKNOWN") in CALLER_ERRORS:
+            refused.append(error.message)
+        else:
+            resend.append(state)
+    return resend, refused
 
 
 def call_failed(book: SessionBook, backoff: Backoff, call: BatchCall, exc: grpc.RpcError) -> None:

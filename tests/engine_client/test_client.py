@@ -363,8 +363,10 @@ def wait_until(condition, seconds: float) -> None:
         time.sleep(0.05)
 
 
-def test_a_request_whose_end_answer_was_lost_is_stored_once(tmp_path, redis_server):
-    """EndSession waits on a stopped Redis past the client's deadline and lands after; the resend adds nothing."""
+@pytest.mark.parametrize("in_batch", [False, True], ids=["EndSession", "DraftBatch-ends"])
+def test_a_request_whose_end_answer_was_lost_is_stored_once(tmp_path, redis_server, in_batch):
+    """EndSession (or a DraftBatch's ends) waits on a stopped Redis past the client's deadline and lands after; the
+    resend adds nothing."""
     port = free_port()
     prompt, output = chain_request(seed=9)
     twin_prompt, twin_output = chain_request(seed=10)
@@ -378,8 +380,11 @@ def test_a_request_whose_end_answer_was_lost_is_stored_once(tmp_path, redis_serv
         twin = client.start(twin_prompt)  # ends while the service is away: stored by the resend alone
         os.kill(redis_server.pid, signal.SIGSTOP)
         try:
-            client.end(sid, output[10:])  # the service holds it until Redis confirms: the answer comes too late
-            client.end(twin, twin_output)
+            if in_batch:  # one call ends both
+                client.draft_batch_packed([], ends=[(sid, output[10:]), (twin, twin_output)])
+            else:
+                client.end(sid, output[10:])  # the service holds it until Redis confirms: the answer comes too late
+                client.end(twin, twin_output)
             assert client.buffered == 2
             time.sleep(0.3)
         finally:

@@ -48,15 +48,20 @@ def packed_trees(client: DrafterClient, items, max_nodes: int) -> list[DraftTree
     return [batch.tree(k) for k in range(len(items))]
 
 
-def run_engine(client: DrafterClient, requests, batched: bool, max_nodes: int = 8, packed: bool = False
-               ) -> list[list]:
-    """Generate every request at once, one engine step at a time; returns the trees of each step."""
+def run_engine(client: DrafterClient, requests, batched: bool, max_nodes: int = 8, packed: bool = False,
+               ends_in_batch: bool = False) -> list[list]:
+    """Generate every request at once, one engine step at a time; returns the trees of each step. With
+    ``ends_in_batch`` the requests that finished end in the next step's call (``draft_batch_packed``'s ``ends``)."""
     sids = [client.start(p) for p, _ in requests]
     pos, pending, steps = [0] * len(requests), [[] for _ in requests], []
     live = list(range(len(requests)))
+    finished: list[tuple[str, list[int]]] = []
     while live:
         items = [(sids[i], pending[i]) for i in live]
-        if packed:
+        if ends_in_batch:
+            batch = client.draft_batch_packed(items, max_nodes, ends=finished)
+            trees, finished = [batch.tree(k) for k in range(len(items))], []
+        elif packed:
             trees = packed_trees(client, items, max_nodes)
         else:
             trees = client.draft_batch(items, max_nodes) if batched else [client.draft(s, a, max_nodes)
@@ -69,8 +74,13 @@ def run_engine(client: DrafterClient, requests, batched: bool, max_nodes: int = 
             pending[i] = output[pos[i]:pos[i] + n + 1]
             pos[i] += len(pending[i])
         for i in [i for i in live if pos[i] >= len(requests[i][1])]:
-            client.end(sids[i], pending[i])
+            if ends_in_batch:
+                finished.append((sids[i], pending[i]))
+            else:
+                client.end(sids[i], pending[i])
         live = [i for i in live if pos[i] < len(requests[i][1])]
+    if finished:
+        client.draft_batch_packed([], ends=finished)  # a call with ends alone
     return steps
 
 
@@ -118,6 +128,36 @@ def test_with_reuse_the_service_still_stores_every_token(two_addresses):
         assert local.reused_steps > 0 and local.fetched_steps > 0  # reports rode along with fetches
         assert client.stats()["stored_tokens"] - before == sum(len(p) + len(o) + 1 for p, o in requests)
     assert len(steps) < max(len(o) for _, o in requests)
+
+
+def test_finished_requests_end_in_the_next_steps_call_and_are_stored_whole(two_addresses, monkeypatch):
+    requests = workload(4, 6)
+    with DrafterClient(two_addresses[0], reuse=False) as client:
+        client.ingest(workload(1, 10))
+
+        def no_end_session(*args, **kwargs):
+            raise AssertionError("an EndSession call: the ends go in the DraftBatch calls")
+
+        monkeypatch.setattr(client._stub, "EndSession", no_end_session)
+        before = client.stats()
+        steps = run_engine(client, requests, batched=True, ends_in_batch=True)
+        after = client.stats()
+        assert any(len(tree) for step in steps for tree in step)
+        assert after["stored_requests"] - before["stored_requests"] == len(requests)
+        assert after["stored_tokens"] - before["stored_tokens"] == sum(len(p) + len(o) + 1 for p, o in requests)
+        assert after["active_sessions"] == 0 and client.buffered == 0
+
+
+def test_an_end_in_a_batch_that_is_wrong_raises_before_anything_is_recorded(two_addresses):
+    with DrafterClient(two_addresses[0]) as client:
+        a, b = client.start([1, 2, 3]), client.start([4, 5])
+        for items, ends in (([(a, [1])], [(a, [2])]), ([(a, [1])], [("nobody", [2])]), ([(a, [1])], [(b, [VOCAB])]),
+                            ([], [(b, [1]), (b, [2])])):
+            with pytest.raises(DrafterRequestError):
+                client.draft_batch_packed(items, ends=ends)
+        client.draft_batch_packed([(a, [7])], ends=[(b, [8])])
+        client.draft_batch_packed([], ends=[(a, [])])
+        assert client.stats()["stored_tokens"] == (3 + 1 + 1) + (2 + 1 + 1)  # each request once, 7 and 8 once
 
 
 def test_callers_mistakes_raise_before_anything_is_recorded(two_addresses):

@@ -168,8 +168,12 @@ class CoreClient:
             out.append(self.core.propose(session, max_nodes or self.max_nodes))
         return out
 
-    def draft_batch_packed(self, items: Sequence[tuple[str, Sequence[int]]], max_nodes: int = 0) -> PackedBatch:
-        return PackedBatch.of_trees(self.draft_batch(items, max_nodes))
+    def draft_batch_packed(self, items: Sequence[tuple[str, Sequence[int]]], max_nodes: int = 0,
+                           ends: Sequence[tuple[str, Sequence[int]]] = ()) -> PackedBatch:
+        trees = PackedBatch.of_trees(self.draft_batch(items, max_nodes))
+        for session, accepted in ends:  # last, as the service takes them
+            self.end(session, accepted)
+        return trees
 
     def end(self, session: str, accepted: Sequence[int]) -> None:
         self.core.end(session, accepted)
