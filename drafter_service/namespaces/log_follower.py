@@ -210,8 +210,8 @@ class LogFollower:
             return
         self._last_reset_check = now
         ns = self.log
-        last = self.persistence.last_id()
-        with ns.write_lock:
+        with ns.write_lock:  # read under the lock: an own append between the read and the check is no loss
+            last = self.persistence.last_id()
             if log_end(last) < log_end(ns.position):
                 logger.error("namespace %s: the request log ends at %s, before this replica's %s (did Redis lose "
                              "data?); following from there", ns.name, last, ns.position)

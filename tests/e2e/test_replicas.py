@@ -153,6 +153,38 @@ def test_an_own_append_whose_predecessors_cannot_be_read_is_stored_once(redis_se
         b.stop(grace=0)
 
 
+def test_an_own_append_while_the_follower_checks_the_log_end_is_not_taken_for_lost_data(redis_server,
+                                                                                      monkeypatch):
+    a = start_runtime(redis_server.url, follow_log="on")
+    try:
+        a.followers[0].stop()
+        ns = a.service.namespaces["default"]
+        follower = LogFollower(ns.log).attach()
+        rng = np.random.default_rng(4)
+        a.service.ingest("default", [(*request(rng), "")])
+        real_last_id = ns.persistence.last_id
+        late = request(rng)
+
+        def an_append_lands_meanwhile() -> str:  # the log's end, read just before another thread's own append
+            end = real_last_id()
+            writer = threading.Thread(target=a.service.ingest, args=("default", [(*late, "")]))
+            writer.start()
+            writer.join(1.0)  # done at once, unless the check holds the write lock
+            return end
+
+        monkeypatch.setattr(ns.persistence, "last_id", an_append_lands_meanwhile)
+        follower._last_reset_check = time.monotonic() - 60  # the idle check is due
+        assert follower.poll() == 0
+        monkeypatch.undo()
+        wait_for(lambda: ns.stats().stored_requests == 2, what="the second request stored")
+        assert ns.log.position == ns.persistence.last_id()  # not moved back behind its own append
+        assert follower.poll() == 0  # nor stored again
+        assert ns.stats().stored_requests == 2 == ns.persistence.request_count()
+        ns.drafter.check_invariants()
+    finally:
+        a.stop(grace=0)
+
+
 def test_a_follower_behind_a_trimmed_log_skips_the_gap_and_keeps_the_newest(redis_server):
     a = start_runtime(redis_server.url, follow_log="on")
     b = start_runtime(redis_server.url, follow_log="on")
