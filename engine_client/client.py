@@ -416,14 +416,13 @@ class DrafterClient(LocalFigures):
             if call is None:
                 break
             ending = step_batch.add_ends(book, call, closing) if not attempt else []
+            closing = [state for state in closing if state not in ending]
             try:
                 reply = self._stub.DraftBatch(call.request, timeout=self.timeout)
             except grpc.RpcError as exc:
                 step_batch.call_failed(book, self._backoff, call, exc)
                 self._ended(ending, None)
                 break
-            finally:
-                closing = [state for state in closing if state not in ending]
             self._ended(ending, reply)
             if packed and not attempt and step_batch.answers_whole(book, batch, call, reply):
                 out = step_batch.take_packed(book, self._backoff, batch, call, reply)

@@ -181,8 +181,7 @@ class DraftSender:
             else:
                 ended.append(item.req)
                 self._live.pop(id(item.req), None)
-        if ticket >= 0 or ended:
-            self._draft(ticket, totals, [req for req in ended if req.session])
+        self._draft(ticket, totals, [req for req in ended if req.session])
 
     def _open(self, item: Opened) -> None:
         item.req.ngrams.extend(item.prompt)
@@ -196,7 +195,7 @@ class DraftSender:
     def _draft(self, ticket: int, totals: dict[int, int], ended: list[Tracked]) -> None:
         """One DraftBatch with every live request's unsent tokens, each getting a tree for its new context, that
         also ends the requests in ``ended`` (the service stores them)."""
-        reqs = [r for r in self._live.values() if r.unsent] if ticket >= 0 else []
+        reqs = [r for r in self._live.values() if r.unsent]
         if not reqs and not ended:
             return
         items = [(r.session, r.unsent) for r in reqs]
@@ -209,9 +208,7 @@ class DraftSender:
             return
         finally:
             self._call_since = 0.0
-        for r in reqs:
-            r.unsent = []
-        for r in ended:
+        for r in (*reqs, *ended):
             r.unsent = []
         answered = self.client.available
         if answered and self.client.buffered:  # requests that ended while the service was away

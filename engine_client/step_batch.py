@@ -122,8 +122,8 @@ def check_ends(book: SessionBook, ends: Sequence[tuple[str, Sequence[int]]],
         DrafterRequestError: an unknown session, one that ends twice or is also one of ``items``, or bad token ids.
     """
     states = [book.get(session) for session, _ in ends]
-    drafted = {id(book.get(session)) for session, _ in items}
-    if len({id(state) for state in states}) != len(states) or any(id(state) in drafted for state in states):
+    ending = {session for session, _ in ends}
+    if len(ending) != len(ends) or any(session in ending for session, _ in items):
         raise DrafterRequestError("a session ends twice in one batch, or both drafts and ends")
     return states, [check_tokens(accepted, book.vocab_size, "accepted") for _, accepted in ends]
 

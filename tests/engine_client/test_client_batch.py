@@ -41,9 +41,9 @@ def workload(seed: int, n: int) -> list[tuple[list[int], list[int]]]:
             for _ in range(n)]
 
 
-def packed_trees(client: DrafterClient, items, max_nodes: int) -> list[DraftTree]:
+def packed_trees(client: DrafterClient, items, max_nodes: int, ends=()) -> list[DraftTree]:
     """``draft_batch_packed``'s trees as DraftTrees (without the sources, which it does not carry)."""
-    batch = client.draft_batch_packed(items, max_nodes)
+    batch = client.draft_batch_packed(items, max_nodes, ends=ends)
     assert len(batch.offsets) == len(items) + 1
     return [batch.tree(k) for k in range(len(items))]
 
@@ -58,11 +58,8 @@ def run_engine(client: DrafterClient, requests, batched: bool, max_nodes: int = 
     finished: list[tuple[str, list[int]]] = []
     while live:
         items = [(sids[i], pending[i]) for i in live]
-        if ends_in_batch:
-            batch = client.draft_batch_packed(items, max_nodes, ends=finished)
-            trees, finished = [batch.tree(k) for k in range(len(items))], []
-        elif packed:
-            trees = packed_trees(client, items, max_nodes)
+        if packed or ends_in_batch:
+            trees, finished = packed_trees(client, items, max_nodes, finished), []
         else:
             trees = client.draft_batch(items, max_nodes) if batched else [client.draft(s, a, max_nodes)
                                                                          for s, a in items]
