@@ -32,7 +32,7 @@ test: $(STAMP) browser lint $(VLLM_STAMP)
 	DRAFTER_REQUIRE_BROWSER=1 DRAFTER_REQUIRE_VLLM=1 $(PY) -m pytest -q
 
 # vLLM in its own venv (it pins its own transformers), with the project's client (no service dependencies) so that
-# its engines can load engine_client.vllm.DrafterProposer. torch first and pinned, as above.
+# its engines can load engines.vllm.DrafterProposer. torch first and pinned, as above.
 $(VLLM_STAMP): pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -43,7 +43,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	# vLLM's wheel brings torchvision, torchaudio and torchcodec, whose builds break `import vllm` here
 	# ("operator torchvision::nms does not exist"); text models run without them.
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -c "import vllm, engine_client.vllm; print('vLLM', vllm.__version__, 'ready in $(VLLM_VENV)')"
+	$(VLLM_PY) -c "import vllm, engines.vllm; print('vLLM', vllm.__version__, 'ready in $(VLLM_VENV)')"
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)

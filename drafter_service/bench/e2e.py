@@ -199,7 +199,7 @@ def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel,
     from engine_client.admin import stats
     from engine_client.client import DrafterClient
     from engine_client.draft_source import NoDrafts
-    from engine_client.engine import ReferenceEngine
+    from engines.reference.engine import ReferenceEngine
 
     methods = sorted([m.strip() for m in args.methods.split(",") if m.strip()]
                      + [f"fixed-{n}" for n in fixed_budgets(args)], key=method_order)

@@ -100,7 +100,7 @@ def build_proposer(method: str, config: SimpleNamespace, warm: Sequence[Request]
             cache.add_active_response(req_id, req.output.tolist())
             cache.stop_request(req_id)
         return proposer, "suffix"
-    from engine_client.vllm import DrafterProposer
+    from engines.vllm import DrafterProposer
 
     return DrafterProposer(config), "custom_class"
 

@@ -16,7 +16,7 @@ from drafter_service.core.config import DrafterConfig
 from drafter_service.core.drafter import Drafter
 from drafter_service.datasets.loaders import Request
 from engine_client.packed_trees import PackedTrees
-from engine_client.vllm import ProposerSettings
+from engines.vllm import ProposerSettings
 
 if TYPE_CHECKING:
     from drafter_service.model.card import DraftModelDrafts
@@ -100,7 +100,7 @@ class CoreDrafter:
         return self.core.propose(request_id, max_nodes)
 
     def propose_chain(self, request_id: str, k: int) -> DraftTree:
-        """The chain the vLLM proposer (``engine_client.vllm``, default settings) takes from drafter's tree."""
+        """The chain the vLLM proposer (``engines.vllm``, default settings) takes from drafter's tree."""
         tree = self.core.propose(request_id, PROPOSER.tree_nodes(k))
         tokens, _ = PackedTrees.from_trees([tree], k, PROPOSER.chain_min_prob).chain(0, k)  # the proposer's cut
         return path_tree(tree, tokens)

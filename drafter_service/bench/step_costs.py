@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from engine_client.kv_cache import keep_block_entries, new_cache, with_cache
-from engine_client.tree_attention import model_tree_mask, tree_positions
+from engines.reference.kv_cache import keep_block_entries, new_cache, with_cache
+from engines.reference.tree_attention import model_tree_mask, tree_positions
 
 __all__ = ["SIZES", "fastest_dtype", "format_curve", "measure_step_curve"]
 

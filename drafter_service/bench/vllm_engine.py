@@ -38,7 +38,7 @@ def speculative_config(method: str, k: int) -> dict[str, Any] | None:
     if method == "suffix":
         return {"method": "suffix", "num_speculative_tokens": k}
     if method == "drafter":
-        return {"method": "custom_class", "model": "engine_client.vllm.DrafterProposer", "num_speculative_tokens": k}
+        return {"method": "custom_class", "model": "engines.vllm.DrafterProposer", "num_speculative_tokens": k}
     raise ValueError(f"unknown method {method!r}: none, ngram, suffix or drafter")
 
 

@@ -306,7 +306,7 @@ def load_drafts(spec: DraftModelSpec, vocab_size: int) -> DraftModelDrafts:
     import torch
 
     from drafter_service.model.draft_model import TOKEN_COUNTS, DraftModelError, load_draft_model
-    from engine_client.tree_attention import model_layer_types
+    from engines.reference.tree_attention import model_layer_types
 
     spec = for_this_machine(spec)
     if spec.threads:

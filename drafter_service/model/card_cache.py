@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine_client.kv_cache import with_cache
+from engines.reference.kv_cache import with_cache
 
 if TYPE_CHECKING:
     import numpy as np

@@ -207,7 +207,7 @@ def decode_step_ms(model: PreTrainedModel, context: int = 64, steps: int = 32, w
     """
     import torch
 
-    from engine_client.kv_cache import returned_cache, with_cache
+    from engines.reference.kv_cache import returned_cache, with_cache
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, output_vocab_size(model), (1, context), generator=gen).to(model.device)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ("drafter_service", "engine_client", "store")
+PACKAGES = ("drafter_service", "engine_client", "engines", "store")
 GENERATED = "drafter_service/api/drafter"
 
 

@@ -26,7 +26,7 @@ from drafter_service.service.config import ServiceConfig  # noqa: E402
 from drafter_service.service.service import DrafterService  # noqa: E402
 from engine_client.admin import stats  # noqa: E402
 from engine_client.client import DrafterClient  # noqa: E402
-from engine_client.engine import ReferenceEngine, greedy_reference  # noqa: E402
+from engines.reference.engine import ReferenceEngine, greedy_reference  # noqa: E402
 
 VOCAB = 96
 PROMPT = [5, 17, 33, 2, 71, 8, 40, 12]

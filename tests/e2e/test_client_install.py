@@ -29,7 +29,7 @@ def test_the_client_installs_alone_and_the_service_says_how_to_install_it(tmp_pa
     assert {"drafter", "grpcio", "protobuf", "numpy"} <= names
     assert names <= CLIENT_DISTRIBUTIONS, f"more than the client's dependencies: {sorted(names - CLIENT_DISTRIBUTIONS)}"
     imported = subprocess.run(
-        [py, "-c", "import sys, engine_client, engine_client.vllm; from engine_client import DrafterClient; "
+        [py, "-c", "import sys, engine_client, engines.vllm; from engine_client import DrafterClient; "
          "print(sorted(m for m in ('torch', 'redis', 'transformers') if m in sys.modules))"],
         capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert imported.returncode == 0, imported.stderr

@@ -2,7 +2,7 @@
 
 The server is ``python -m vllm.entrypoints.openai.api_server`` of vLLM's CPU build (``make vllm``) with
 SmolLM2-135M (float32, token ids in and out). The same completions go to the server without speculation, then to
-the server with ``engine_client.vllm.DrafterProposer``: one after the other, never both at once (two cores).
+the server with ``engines.vllm.DrafterProposer``: one after the other, never both at once (two cores).
 Without vLLM's venv these tests are skipped, unless DRAFTER_REQUIRE_VLLM=1 (``make test`` sets it) makes them fail.
 """
 

@@ -79,7 +79,7 @@ def test_replay_drafts_with_smollm2_itself_by_name(tmp_path, capsys) -> None:
     from drafter_service.datasets.request_files import Request, write_requests
     from drafter_service.datasets.target_model import chat_prompt, load_smollm2
     from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
-    from engine_client.engine import greedy_reference
+    from engines.reference.engine import greedy_reference
 
     torch.set_num_threads(2)
     prompt = load_smollm2_tokenizer().encode(chat_prompt("Name three primary colours.")).ids

@@ -133,7 +133,7 @@ def service(monkeypatch):
 
 
 def test_drafter_proposer_drafts_a_request_the_service_was_warmed_with(service):
-    from engine_client.vllm import DrafterProposer
+    from engines.vllm import DrafterProposer
 
     rng = np.random.default_rng(3)
     reqs = [Request(f"q{i}", rng.integers(0, VOCAB, 12), rng.integers(0, VOCAB, 30)) for i in range(2)]

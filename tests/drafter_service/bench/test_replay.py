@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import engine_client.vllm as vllm_module
+import engines.vllm.proposer as vllm_module
 from drafter_service.api.tree import EMPTY_TREE, DraftTree, accept_greedy, best_chain, chain
 from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
 from drafter_service.bench.protocol import ChainDrafter, ReplayDrafter
@@ -24,7 +24,7 @@ from drafter_service.bench.replay import (
 from drafter_service.core.drafter import Drafter
 from drafter_service.datasets.loaders import Request
 from engine_client.step_batch import PackedBatch
-from engine_client.vllm import DrafterProposer, ProposerSettings
+from engines.vllm import DrafterProposer, ProposerSettings
 
 
 def _requests(seed: int = 0, count: int = 8) -> list[Request]:

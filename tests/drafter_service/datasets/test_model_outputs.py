@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from drafter_service.datasets import model_outputs
 from drafter_service.datasets.loaders import load_dataset, read_requests, write_requests
 from drafter_service.datasets.prompts import load_prompts
-from engine_client.kv_cache import returned_cache, with_cache
+from engines.reference.kv_cache import returned_cache, with_cache
 
 EOS = model_outputs.EOS
 MAX_NEW = 12

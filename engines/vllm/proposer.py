@@ -1,7 +1,7 @@
 """drafter as vLLM's speculative proposer: chains ready before vLLM asks, the service reached off the critical path.
 
 vLLM (0.32) loads it with ``speculative_config={"method": "custom_class", "model":
-"engine_client.vllm.DrafterProposer", "num_speculative_tokens": k}``, builds it in each worker as
+"engines.vllm.DrafterProposer", "num_speculative_tokens": k}``, builds it in each worker as
 ``DrafterProposer(vllm_config)`` and calls ``propose`` once per engine step, synchronously. Each chain is cut from
 a tree the service drafted one step ahead (``PreSpeculator``); the step's tokens go to the service from a
 background thread. It is configured from the environment (see ``ProposerSettings.from_env``). This module imports
@@ -23,12 +23,12 @@ from typing import Any, TypeVar
 from drafter_service.api.verify_budget import VerifyBudget
 from engine_client.client import DrafterClient
 from engine_client.prespeculation import PreSpeculator
-from engine_client.request_tracker import RequestTracker, StepFigures
 from engine_client.security import ClientSecurity
+from engines.vllm.request_tracker import RequestTracker, StepFigures
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DrafterProposer", "ProposerSettings", "RequestTracker", "drafting_rank", "stop_tokens"]
+__all__ = ["DrafterProposer", "ProposerSettings", "FIXED_MIN_PROB", "drafting_rank", "stop_tokens"]
 
 _D = TypeVar("_D")
 

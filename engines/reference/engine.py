@@ -12,9 +12,9 @@ import torch
 
 from drafter_service.api.verify_budget import VerifyBudget
 from engine_client.draft_source import EMPTY_TREE, DraftSource, DraftTree, NoDrafts
-from engine_client.kv_cache import keep_block_entries, new_cache, returned_cache, trim_to_windows, with_cache
-from engine_client.tree_attention import model_tree_mask, tree_positions
-from engine_client.verification import Verdict, greedy_verify, sample_verify
+from engines.reference.kv_cache import keep_block_entries, new_cache, returned_cache, trim_to_windows, with_cache
+from engines.reference.tree_attention import model_tree_mask, tree_positions
+from engines.reference.verification import Verdict, greedy_verify, sample_verify
 
 logger = logging.getLogger(__name__)
 

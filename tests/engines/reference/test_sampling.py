@@ -13,9 +13,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafter_service.api.tree import DraftTree
-from engine_client import verification
-from engine_client.engine import ReferenceEngine
-from engine_client.verification import process_logits, sample_verify
+from engines.reference import verification
+from engines.reference.engine import ReferenceEngine
+from engines.reference.verification import process_logits, sample_verify
 
 V = 5  # toy vocabulary
 LENGTH = 3  # generated tokens per sample: V**3 = 125 possible sequences

@@ -14,12 +14,12 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llama
 from drafter_service.api.tree import EMPTY_TREE, DraftTree, chain
 from drafter_service.api.verify_budget import StepCostCurve, VerifyBudget
 from engine_client.draft_source import DraftSource, NoDrafts
-from engine_client.engine import GenerationResult, ReferenceEngine, default_device, greedy_reference
+from engines.reference.engine import GenerationResult, ReferenceEngine, default_device, greedy_reference
 
 VOCAB = 100
 PROMPT = [5, 17, 42, 8, 99, 3, 61]  # longer than the Gemma sliding window below
 MAX_NEW = 24
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/engine_client/conftest.py

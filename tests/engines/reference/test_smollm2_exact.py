@@ -12,7 +12,7 @@ from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
 from drafter_service.rpc.server import create_server
 from drafter_service.service.config import ServiceConfig
 from engine_client.client import DrafterClient
-from engine_client.engine import ReferenceEngine, greedy_reference
+from engines.reference.engine import ReferenceEngine, greedy_reference
 
 MAX_NEW = 40
 QUESTION = "Tom has 3 boxes with 12 apples each. He gives away 7 apples. How many apples are left?"

@@ -17,7 +17,7 @@ from drafter_service.core.config import DrafterConfig
 from drafter_service.rpc.server import create_server
 from drafter_service.service.config import ServiceConfig
 from engine_client import DrafterClient
-from engine_client.vllm import FIXED_MIN_PROB, DrafterProposer, ProposerSettings, drafting_rank, stop_tokens
+from engines.vllm import FIXED_MIN_PROB, DrafterProposer, ProposerSettings, drafting_rank, stop_tokens
 
 VOCAB = 300
 MAX_LEN = 256

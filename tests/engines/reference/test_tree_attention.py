@@ -9,7 +9,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from engine_client.kv_cache import (
+from engines.reference.kv_cache import (
     cache_length,
     check_invariants,
     keep_block_entries,
@@ -17,7 +17,7 @@ from engine_client.kv_cache import (
     trim_to_windows,
     with_cache,
 )
-from engine_client.tree_attention import (
+from engines.reference.tree_attention import (
     ancestor_matrix,
     model_layer_types,
     model_tree_mask,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from engine_client.verification import (
+from engines.reference.verification import (
     acceptance_probability,
     child_lists,
     greedy_verify,
