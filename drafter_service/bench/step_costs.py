@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from engines.reference.kv_cache import keep_block_entries, new_cache, with_cache
-from engines.reference.tree_attention import model_tree_mask, tree_positions
+from engines.reference.step_runner import StepRunner
 
 __all__ = ["SIZES", "fastest_dtype", "format_curve", "measure_step_curve"]
 
@@ -18,44 +17,40 @@ __all__ = ["SIZES", "fastest_dtype", "format_curve", "measure_step_curve"]
 SIZES = (0, 1, 2, 4, 8, 16, 32, 64)
 
 
-def measure_step_curve(model: Any, sizes: Sequence[int] = SIZES, context: int = 256,
-                       repeats: int = 3) -> dict[int, float]:
-    """Median seconds of a forward pass over root + a chain of ``n`` draft nodes on a ``context``-token cache.
+def measure_step_curve(model: Any, sizes: Sequence[int] = SIZES, context: int = 256, repeats: int = 3,
+                       graphs: bool | None = None) -> dict[int, float]:
+    """Median seconds of the reference engine's step over root + a chain of ``n`` draft nodes on a ``context``-token
+    cache: its inputs loaded, the forward pass, the argmaxes read back (as ``StepRunner`` runs it).
 
     Args:
         model: a transformers causal LM (on its device, in the dtype measured).
         sizes: draft node counts.
         context: tokens in the KV cache before the step.
-        repeats: passes timed per size (after one untimed warm-up pass).
+        repeats: steps timed per size (after one untimed warm-up step).
+        graphs: CUDA graphs as the engine would use them (None: on a CUDA device).
 
     Returns:
         {n: seconds}.
     """
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
     vocab = int(model.config.vocab_size)
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, vocab, (1, context), generator=gen).to(device)  # (1, context) int64
+    prefix = torch.randint(0, vocab, (context,), generator=gen).tolist()
+    largest = max(max(sizes), 1)
     out: dict[int, float] = {}
     with torch.inference_mode():
-        cache = new_cache(model.config)
-        model(input_ids=prefix, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
+        runner = StepRunner(model, context + largest + 1, largest, graphs)
+        runner.prefill(prefix)
         for _ in range(3):  # first-call costs (allocator, kernels) out of the way
-            model(input_ids=prefix[:, :1], **with_cache(model, cache), use_cache=True)
-            keep_block_entries(cache, 1, [])
+            runner.step(prefix[0], [], []).target.tolist()
         for n in sizes:
             parents = list(range(-1, n - 1))
-            ids = torch.randint(0, vocab, (1, n + 1), generator=gen).to(device)  # (1, n+1) int64
-            mask = model_tree_mask(model.config, parents, context, dtype, device) if n else None
-            positions = tree_positions(parents, context, device) if n else None
+            ids = torch.randint(0, vocab, (n + 1,), generator=gen).tolist()
             times = []
             for i in range(repeats + 1):
                 t0 = time.perf_counter()
-                model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(model, cache),
-                      use_cache=True)
+                runner.step(ids[0], ids[1:], parents).target[:n + 1].tolist()  # the step's one read
                 if i:
                     times.append(time.perf_counter() - t0)
-                keep_block_entries(cache, n + 1, [])  # back to the context alone
             out[n] = statistics.median(times)
     return out
 

@@ -6,15 +6,15 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from drafter_service.api.verify_budget import VerifyBudget
 from engine_client.draft_source import EMPTY_TREE, DraftSource, DraftTree, NoDrafts
-from engines.reference.kv_cache import keep_block_entries, new_cache, returned_cache, trim_to_windows, with_cache
-from engines.reference.tree_attention import model_tree_mask, tree_positions
-from engines.reference.verification import Verdict, greedy_verify, sample_verify
+from engines.reference.kv_cache import returned_cache, with_cache
+from engines.reference.step_runner import StepOutput, StepRunner
+from engines.reference.tree_attention import check_parents
+from engines.reference.verification import Verdict, greedy_path, sample_verify
 
 logger = logging.getLogger(__name__)
 
@@ -30,17 +30,27 @@ class StepStats:
         accepted: draft nodes accepted (the step emitted ``accepted + 1`` tokens before any final truncation).
         seconds: wall time of the whole step, drafting included.
         draft_seconds: the part of ``seconds`` spent waiting for the draft source.
+        forward_seconds: the part spent from handing the step's inputs to the device until its argmaxes were read
+            back: the cache upkeep of the previous step, the mask and positions, the forward pass.
+        padded: the size the step ran at (``drafted`` padded to a captured size; ``drafted`` when eager).
     """
 
     drafted: int
     accepted: int
     seconds: float
     draft_seconds: float
+    forward_seconds: float = 0.0
+    padded: int = 0
 
     @property
     def verify_seconds(self) -> float:
         """Time of the forward pass, verification and cache upkeep."""
         return self.seconds - self.draft_seconds
+
+    @property
+    def check_seconds(self) -> float:
+        """Time after the forward: finding the accepted path and the step's bookkeeping."""
+        return self.seconds - self.draft_seconds - self.forward_seconds
 
 
 @dataclass(frozen=True)
@@ -74,14 +84,16 @@ def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
 
 
 class ReferenceEngine:
-    """Speculative decoding of one request at a time with a transformers causal LM (batch 1, DynamicCache).
+    """Speculative decoding of one request at a time with a transformers causal LM (batch 1, a static KV cache).
 
-    Drafting off (``NoDrafts``) and on take the same path: an empty tree is a plain one-token step.
+    Drafting off (``NoDrafts``) and on take the same path: an empty tree is a plain one-token step. On a CUDA device
+    every step is a captured CUDA graph (``StepRunner``), the plain step included; a tree is padded to the next
+    captured size and the padding is filled with more of the tree's nodes when it has them.
     """
 
     def __init__(self, model: torch.nn.Module, draft_source: DraftSource | None = None, max_nodes: int = 32,
                  device: torch.device | str | None = None, adaptive: bool = False, min_nodes: int = 0,
-                 budget: VerifyBudget | None = None) -> None:
+                 budget: VerifyBudget | None = None, graphs: bool | None = None, padded: bool | None = None) -> None:
         """Set up the engine.
 
         Args:
@@ -95,6 +107,9 @@ class ReferenceEngine:
             min_nodes: with ``adaptive``, verify at least this many nodes.
             budget: the rule and what it learned (kept across requests; a new one by default). It also measures
                 the step times the draft source is told about when ``adaptive`` is off.
+            graphs: capture the steps as CUDA graphs (None: on a CUDA device; False: eager everywhere).
+            padded: run every step at a captured size over every cache slot, as the graphs do (None: with graphs);
+                eager and padded is the graphs' computation, for checking it without a GPU.
         """
         if max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
@@ -106,20 +121,38 @@ class ReferenceEngine:
         self.max_nodes = max_nodes
         self.adaptive = adaptive
         self.budget = budget if budget is not None else VerifyBudget(min_nodes=min_nodes)
+        self.graphs, self.padded = graphs, padded
+        self._runner: StepRunner | None = None
 
-    def _forward(self, input_ids: list[int], cache: Any, mask: Any = None,
-                 positions: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # (1, q) int64
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(self.model, cache),
-                         use_cache=True, logits_to_keep=logits_to_keep)
-        return out.logits[0]  # (q or logits_to_keep, V)
+    def runner(self, tokens: int) -> StepRunner:
+        """The step runner, with room for a sequence of ``tokens`` tokens and one step's tree (grown when needed:
+        a new cache, and new graphs where they are captured)."""
+        need = tokens + self.max_nodes + 1
+        if self._runner is None or self._runner.cache.capacity < need:
+            capacity = max(1024, 1 << (need - 1).bit_length())
+            self._runner = None  # the old cache and graphs go before the new ones are allocated
+            with torch.inference_mode():
+                self._runner = StepRunner(self.model, capacity, self.max_nodes, self.graphs, self.padded)
+            logger.info("reference engine: %d cache slots, steps %s", self._runner.cache.capacity,
+                        f"captured at sizes {self._runner.buckets}" if self._runner.graphs else
+                        f"eager at sizes {self._runner.buckets or 'as drafted'}")
+        return self._runner
 
-    def _verify(self, logits: torch.Tensor, tree: DraftTree, temperature: float, top_k: int, top_p: float,
+    def _verify(self, out: StepOutput, tree: DraftTree, temperature: float, top_k: int, top_p: float,
                 generator: torch.Generator | None) -> Verdict:
+        n = len(tree)
         if temperature <= 0.0:
-            return greedy_verify(logits, tree.token_ids, tree.parents)
-        return sample_verify(logits, tree.token_ids, tree.parents, temperature=temperature, top_k=top_k,
+            return greedy_path(out.target[:n + 1].tolist(), tree.token_ids, tree.parents)  # the step's one read
+        return sample_verify(out.logits[:n + 1], tree.token_ids, tree.parents, temperature=temperature, top_k=top_k,
                              top_p=top_p, generator=generator, draft_probs=getattr(tree, "draft_probs", None) or None)
+
+    def _choose(self, tree: DraftTree, runner: StepRunner) -> DraftTree:
+        """The part of ``tree`` this step verifies: the budget's choice, padded to the size the step runs at."""
+        if len(tree) > self.max_nodes:
+            tree = tree.prefix(self.max_nodes)
+        n = self.budget.choose(tree.probs, self.max_nodes, tree.parents) if self.adaptive else len(tree)
+        # a captured step costs the same for any tree up to its size: fill it with the tree's next nodes
+        return tree.prefix(min(len(tree), runner.bucket(min(n, len(tree)))))
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
@@ -156,18 +189,16 @@ class ReferenceEngine:
                 generator.seed()
             else:
                 generator.manual_seed(seed)
+        runner = self.runner(len(prompt) + max_new_tokens)
         source = self.draft_source
         session = source.start(prompt, self.max_nodes)
         tokens: list[int] = []
         steps: list[StepStats] = []
         since_last: list[int] = []
         pending: list[int] = []  # tokens of steps that asked for no draft, not sent to the source yet
+        keep: list[int] = []  # the last step's accepted nodes, moved into place by the next step
         with torch.inference_mode():
-            cache = new_cache(self.config)
-            if len(prompt) > 1:
-                self._forward(prompt[:-1], cache, logits_to_keep=1)
-                trim_to_windows(cache)
-            prefix_len = len(prompt) - 1
+            runner.prefill(prompt[:-1])
             root = prompt[-1]
             step_seconds = 0.0
             while len(tokens) < max_new_tokens:
@@ -183,28 +214,22 @@ class ReferenceEngine:
                                         verify_cost=curve.points() if self.adaptive else (),
                                         estimate_exponent=self.budget.calibration.gamma if self.adaptive else 0.0)
                     pending = []
-                    if len(tree) > self.max_nodes:
-                        tree = tree.prefix(self.max_nodes)
-                    if self.adaptive:  # a skipped step was counted by skip(): choose only what was asked for
-                        tree = tree.prefix(self.budget.choose(tree.probs, self.max_nodes, tree.parents))
+                    tree = self._choose(tree, runner)
+                    check_parents(tree.parents)
                 t1 = time.perf_counter()
                 n = len(tree)
-                mask = None
-                positions = None
-                if n:
-                    mask = model_tree_mask(self.config, tree.parents, prefix_len, self.dtype, self.device)
-                    positions = tree_positions(tree.parents, prefix_len, self.device)
-                logits = self._forward([root, *tree.token_ids], cache, mask, positions)  # (n+1, V)
-                verdict = self._verify(logits, tree, temperature, top_k, top_p, generator)
-                keep_block_entries(cache, n + 1, [0] + [i + 1 for i in verdict.accepted])
-                new = [tree.token_ids[i] for i in verdict.accepted] + [verdict.bonus]
-                prefix_len += 1 + len(verdict.accepted)
-                root = verdict.bonus
+                out = runner.step(root, tree.token_ids, tree.parents, keep)
+                verdict = self._verify(out, tree, temperature, top_k, top_p, generator)
                 t2 = time.perf_counter()
-                step_seconds = t2 - t1
-                accepted = set(verdict.accepted)
+                keep = verdict.accepted
+                runner.cache.length += 1 + len(keep)
+                new = [tree.token_ids[i] for i in keep] + [verdict.bonus]
+                root = verdict.bonus
+                accepted = set(keep)
+                t3 = time.perf_counter()
+                step_seconds = t3 - t1
                 self.budget.observe(n, step_seconds, tree.probs[:n], [i in accepted for i in range(n)])
-                steps.append(StepStats(n, len(verdict.accepted), t2 - t0, t1 - t0))
+                steps.append(StepStats(n, len(keep), t3 - t0, t1 - t0, t2 - t1, runner.bucket(n)))
                 new = new[: max_new_tokens - len(tokens)]
                 for j, tok in enumerate(new):
                     if tok in eos:

@@ -1,122 +1,121 @@
-"""Draft tree → position ids and 4D additive attention masks for one forward pass over root + tree."""
+"""Draft tree → position ids and attention masks for one forward pass over root + tree, built on the device.
+
+Block entry 0 is the root (the last token of the sequence), block entry ``i + 1`` is draft node ``i``. Everything
+here is tensor code without Python loops over nodes or host reads, so a step's inputs can be built inside a captured
+CUDA graph from the parents alone: the reachability of the block (who may attend to whom), each entry's depth (its
+position), and one additive mask per kind of attention layer over the cache slots.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "tree_depths",
-    "ancestor_matrix",
-    "tree_positions",
-    "tree_mask",
+    "PAD_PARENT",
+    "check_parents",
+    "block_reach",
+    "causal_reach",
+    "block_depths",
+    "block_mask",
     "model_layer_types",
-    "model_tree_mask",
+    "attention_windows",
+    "model_masks",
 ]
 
 # Layer kinds whose cache keeps every past token and whose mask is the plain tree mask.
 _FULL = "full_attention"
-# Layer kinds whose cache keeps only the last ``sliding_window - 1`` tokens and whose mask adds the window.
+# Layer kinds that see only keys within ``sliding_window`` positions of the query.
 _SLIDING = "sliding_attention"
 
-
-def tree_depths(parents: Sequence[int]) -> list[int]:
-    """Depth of every draft node below the root.
-
-    Args:
-        parents: (n,) parent of each node, -1 for a child of the root; ``parents[i] < i``.
-
-    Returns:
-        (n,) depths: 1 for a child of the root, parent's depth + 1 otherwise (the root itself has depth 0).
-
-    Raises:
-        ValueError: when a parent index is not in ``[-1, i)``.
-    """
-    depths: list[int] = []
-    for i, p in enumerate(parents):
-        if not -1 <= p < i:
-            raise ValueError(f"node {i} has parent {p}; parents must satisfy -1 <= parents[i] < i")
-        depths.append(1 if p < 0 else depths[p] + 1)
-    return depths
+#: Parent of a padding node (a tree padded to a fixed size): it sees only itself and nothing sees it.
+PAD_PARENT = -2
 
 
-def ancestor_matrix(parents: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
-    """Which block entries each block entry may attend to (itself and its ancestors).
+def check_parents(parents: Sequence[int]) -> None:
+    """Raise ValueError unless every node's parent is -1 (the root) or an earlier node."""
+    p = np.asarray(parents, dtype=np.int64)
+    bad = np.flatnonzero((p < -1) | (p >= np.arange(len(p))))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"node {i} has parent {int(p[i])}; parents must satisfy -1 <= parents[i] < i")
 
-    Block index 0 is the root (the last token of the sequence), block index ``i + 1`` is draft node ``i``.
+
+def block_reach(parents: torch.Tensor) -> torch.Tensor:
+    """Which block entries each block entry may attend to: itself and its ancestors.
+
+    The closure of the parent relation by repeated squaring (``ceil(log2(n + 1))`` small matrix products), so the
+    cost does not depend on the tree's shape and nothing is read back to the host.
 
     Args:
-        parents: (n,) parent of each node, -1 for a child of the root; ``parents[i] < i``.
-        device: where to put the result.
+        parents: (n,) int64 parent of each node: -1 for a child of the root, an earlier node's index, or
+            ``PAD_PARENT`` for a padding node.
 
     Returns:
-        (n+1, n+1) bool; ``[q, k]`` is True when ``k`` is ``q`` or an ancestor of ``q``.
+        (n+1, n+1) bool; ``[q, k]`` is True when entry ``k`` is ``q`` or an ancestor of ``q``.
     """
-    q = len(parents) + 1
-    rows: list[list[bool]] = [[True] + [False] * (q - 1)]
-    for i, p in enumerate(parents):
-        if not -1 <= p < i:
-            raise ValueError(f"node {i} has parent {p}; parents must satisfy -1 <= parents[i] < i")
-        row = rows[p + 1].copy()
-        row[i + 1] = True
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.bool, device=device)  # (n+1, n+1) bool
+    q = parents.shape[0] + 1
+    reach = torch.eye(q, dtype=torch.float32, device=parents.device)  # (q, q) float32
+    if q > 1:
+        rows = torch.arange(1, q, device=parents.device)
+        cols = (parents + 1).clamp(min=0)
+        reach.index_put_((rows, cols), (parents >= -1).to(torch.float32), accumulate=True)
+        for _ in range(math.ceil(math.log2(q))):  # paths of up to 2**k edges after k squarings
+            reach = (reach @ reach).clamp_(max=1.0)
+    return reach > 0.5
 
 
-def tree_positions(parents: Sequence[int], prefix_len: int,
-                   device: torch.device | str | None = None) -> torch.Tensor:
-    """Position ids of root + nodes: ``prefix_len + depth``.
+def causal_reach(q: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(q, q) bool: a plain sequence, each entry attending to itself and every entry before it (a prefill)."""
+    return torch.ones(q, q, dtype=torch.bool, device=device).tril_()
+
+
+def block_depths(reach: torch.Tensor) -> torch.Tensor:
+    """(q,) int64 depth of each block entry below the root (0 for the root and for padding nodes)."""
+    return reach.sum(dim=-1) - 1
+
+
+def block_mask(reach: torch.Tensor, depths: torch.Tensor, prefix: torch.Tensor, kv_len: int, dtype: torch.dtype,
+               window: int | None = None) -> torch.Tensor:
+    """Additive attention mask of the block's queries over cache slots ``0 .. kv_len - 1``.
+
+    Slots below ``prefix`` hold the sequence so far, slot ``s`` holding position ``s``; the block's entries are
+    written to slots ``prefix .. prefix + q - 1`` in block order. Every query sees every earlier slot and, inside the
+    block, only what ``reach`` allows; nothing sees slots past the block.
 
     Args:
-        parents: (n,) parent of each node, -1 for a child of the root.
-        prefix_len: tokens already in the KV cache (the root's position).
-        device: where to put the result.
+        reach: (q, q) bool from ``block_reach`` or ``causal_reach``.
+        depths: (q,) int64 from ``block_depths`` (a query's position is ``prefix + depth``).
+        prefix: () or (1,) int64 tensor: slots holding the sequence before the block.
+        kv_len: cache slots the forward attends over (static for a captured graph).
+        dtype: the model's activation dtype.
+        window: when set, a key at position ``k`` is visible from a query at position ``p`` only when
+            ``p - k < window`` (transformers' sliding-window convention).
 
     Returns:
-        (1, n+1) int64 position ids.
+        (1, 1, q, kv_len) of ``dtype``: 0 where attention is allowed, ``finfo(dtype).min`` elsewhere.
     """
-    return torch.tensor([[prefix_len] + [prefix_len + d for d in tree_depths(parents)]],
-                        dtype=torch.long, device=device)  # (1, n+1) int64
-
-
-def tree_mask(parents: Sequence[int], prefix_len: int, dtype: torch.dtype = torch.float32,
-              device: torch.device | str | None = None, *, past_len: int | None = None,
-              sliding_window: int | None = None) -> torch.Tensor:
-    """Additive attention mask for root + tree queries over cached keys + the block's own keys.
-
-    Every query sees every cached key (within ``sliding_window`` of its position when one is given) and, inside the
-    block, only itself and its ancestors.
-
-    Args:
-        parents: (n,) parent of each node, -1 for a child of the root.
-        prefix_len: tokens already processed (the position of the root).
-        dtype: floating dtype of the mask (the model's activation dtype).
-        device: where to put the mask.
-        past_len: cached keys in front of the block, holding positions ``prefix_len - past_len .. prefix_len - 1``
-            (defaults to ``prefix_len``; a sliding-window cache keeps fewer).
-        sliding_window: when set, a key at position ``k`` is visible from a query at position ``q`` only when
-            ``q - k < sliding_window`` (transformers' convention).
-
-    Returns:
-        (1, 1, n+1, past_len + n+1) of ``dtype``: 0 where attention is allowed, ``finfo(dtype).min`` elsewhere.
-    """
-    past = prefix_len if past_len is None else past_len
-    if not 0 <= past <= prefix_len:
-        raise ValueError(f"past_len {past} must lie in [0, prefix_len={prefix_len}]")
-    q = len(parents) + 1
-    allowed = torch.ones(q, past + q, dtype=torch.bool, device=device)  # (n+1, past+n+1) bool
-    allowed[:, past:] = ancestor_matrix(parents, device=device)
-    if sliding_window is not None:
-        q_pos = tree_positions(parents, prefix_len, device=device)[0]  # (n+1,) int64
-        k_pos = torch.cat([torch.arange(prefix_len - past, prefix_len, device=device), q_pos])  # (past+n+1,)
-        allowed &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
-    mask = torch.zeros(1, 1, q, past + q, dtype=dtype, device=device)  # (1, 1, n+1, past+n+1)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    q = reach.shape[0]
+    prefix = prefix.reshape(())
+    slots = torch.arange(kv_len, device=reach.device)  # (kv_len,) int64
+    rel = slots - prefix  # each slot's block entry, where it is one
+    in_block = (rel >= 0) & (rel < q)
+    entry = rel.clamp(0, q - 1)
+    allowed = (slots < prefix)[None, :] | (reach.index_select(1, entry) & in_block[None, :])  # (q, kv_len) bool
+    if window is not None:
+        q_pos = prefix + depths  # (q,)
+        k_pos = torch.where(in_block, prefix + depths.index_select(0, entry), slots)  # (kv_len,)
+        allowed &= (q_pos[:, None] - k_pos[None, :]) < window
+    zero = torch.zeros((), dtype=dtype, device=reach.device)
+    low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=reach.device)
+    return torch.where(allowed, zero, low)[None, None]
 
 
 def model_layer_types(config: Any) -> list[str]:
@@ -137,24 +136,8 @@ def model_layer_types(config: Any) -> list[str]:
     return list(types)
 
 
-def model_tree_mask(config: Any, parents: Sequence[int], prefix_len: int, dtype: torch.dtype,
-                    device: torch.device | str | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The ``attention_mask`` argument for a transformers model's forward over root + tree.
-
-    Models with a single kind of layer (Llama, SmolLM2, Qwen2 without sliding) take one 4D tensor, used as-is by
-    ``masking_utils`` (a 4D mask skips transformers' own mask creation). Models mixing full and sliding-window layers
-    (Gemma-3) take a dict keyed by layer type, since their sliding layers see a shorter key range: the
-    ``DynamicSlidingWindowLayer`` cache holds at most ``sliding_window - 1`` past tokens.
-
-    Args:
-        config: the model's config.
-        parents: (n,) parent of each node, -1 for a child of the root.
-        prefix_len: tokens already in the KV cache.
-        dtype: the model's activation dtype.
-        device: where the model runs.
-
-    Returns:
-        a (1, 1, n+1, kv_len) mask, or ``{layer_type: mask}`` when layer kinds differ.
+def attention_windows(config: Any) -> dict[str, int | None]:
+    """The kinds of attention layer a model has, each with its window (None: full attention).
 
     Raises:
         NotImplementedError: for layer kinds other than full and sliding-window attention.
@@ -165,13 +148,20 @@ def model_tree_mask(config: Any, parents: Sequence[int], prefix_len: int, dtype:
     unknown = kinds - {_FULL, _SLIDING}
     if unknown:
         raise NotImplementedError(f"tree attention for layer types {sorted(unknown)} is not supported")
-    masks: dict[str, torch.Tensor] = {}
-    if _FULL in kinds:
-        masks[_FULL] = tree_mask(parents, prefix_len, dtype, device)
-    if _SLIDING in kinds:
-        window = int(config.sliding_window)
-        masks[_SLIDING] = tree_mask(parents, prefix_len, dtype, device,
-                                    past_len=min(prefix_len, window - 1), sliding_window=window)
-    if len(masks) == 1:
-        return next(iter(masks.values()))
-    return masks
+    return {kind: (int(config.sliding_window) if kind == _SLIDING else None) for kind in sorted(kinds)}
+
+
+def model_masks(windows: dict[str, int | None], reach: torch.Tensor, depths: torch.Tensor, prefix: torch.Tensor,
+                kv_len: int, dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The ``attention_mask`` argument of a transformers model's forward over the block.
+
+    Models with one kind of layer (Llama, SmolLM2, Qwen2 without sliding) take one 4D tensor, used as it is (a 4D
+    mask skips transformers' own mask creation); models mixing full and sliding-window layers (Gemma-3) take a dict
+    keyed by layer kind.
+
+    Args:
+        windows: from ``attention_windows``.
+        reach, depths, prefix, kv_len, dtype: as in ``block_mask``.
+    """
+    masks = {kind: block_mask(reach, depths, prefix, kv_len, dtype, window) for kind, window in windows.items()}
+    return next(iter(masks.values())) if len(masks) == 1 else masks

@@ -14,6 +14,7 @@ __all__ = [
     "Verdict",
     "child_lists",
     "greedy_verify",
+    "greedy_path",
     "process_logits",
     "acceptance_probability",
     "residual",
@@ -59,7 +60,17 @@ def greedy_verify(logits: torch.Tensor, token_ids: Sequence[int], parents: Seque
     if logits.shape[0] != len(token_ids) + 1:
         raise ValueError(f"{logits.shape[0]} logit rows for {len(token_ids)} nodes; expected one more")
     # max().indices picks the first maximum like argmax, and is ~4x faster than argmax on bfloat16 CPU tensors
-    target: list[int] = logits.max(dim=-1).indices.tolist()  # (n+1,) best token after root/each node
+    return greedy_path(logits.max(dim=-1).indices.tolist(), token_ids, parents)
+
+
+def greedy_path(target: Sequence[int], token_ids: Sequence[int], parents: Sequence[int]) -> Verdict:
+    """``greedy_verify`` from the argmaxes alone, already read back from the device.
+
+    Args:
+        target: (>= n+1,) the target's best token after the root and after each node (rows past n are ignored).
+        token_ids: (n,) token of each draft node.
+        parents: (n,) parent of each node, -1 for a child of the root.
+    """
     # First child per (parent, token); a later duplicate sibling could never be reached.
     kids: dict[tuple[int, int], int] = {}
     for i, (tok, p) in enumerate(zip(token_ids, parents, strict=True)):
@@ -69,7 +80,7 @@ def greedy_verify(logits: torch.Tensor, token_ids: Sequence[int], parents: Seque
     while True:
         nxt = kids.get((node, target[node + 1]))
         if nxt is None:
-            return Verdict(accepted, target[node + 1])
+            return Verdict(accepted, int(target[node + 1]))
         accepted.append(nxt)
         node = nxt
 

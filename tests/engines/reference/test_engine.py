@@ -159,20 +159,56 @@ def test_no_drafts_equals_plain_greedy(kind):
     assert ReferenceEngine(model, device="cpu").generate(PROMPT, MAX_NEW).tokens == truth[:MAX_NEW]
 
 
+@pytest.mark.parametrize("steps", ["exact", "padded"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_speculative_greedy_equals_plain_greedy(kind, shape):
+def test_speculative_greedy_equals_plain_greedy(kind, shape, steps):
+    """Exact steps run each tree at its size; padded ones run what the CUDA graphs capture (every tree padded to
+    its bucket, attention over every cache slot, fixed-size moves), eagerly."""
     model, truth = model_and_truth(kind)
     make, stats_ok = SHAPES[shape]
     source = OracleSource(truth, make)
-    result = ReferenceEngine(model, source, max_nodes=64, device="cpu").generate(PROMPT, MAX_NEW)
+    engine = ReferenceEngine(model, source, max_nodes=64, device="cpu", padded=steps == "padded")
+    result = engine.generate(PROMPT, MAX_NEW)
     assert result.tokens == truth[:MAX_NEW]
+    assert [s.padded for s in result.steps] == [engine.runner(0).bucket(s.drafted) for s in result.steps]
     assert stats_ok(result), [(s.drafted, s.accepted) for s in result.steps]
     assert [s.drafted for s in result.steps] == [len(t) for t in source.trees]
     # the protocol: accepted tokens since the last call, then the final ones at end; together, the output
     assert source.calls[0][0] == []
     assert sum((c[0] for c in source.calls), []) + source.ended == result.tokens
     assert all(c[1] == 64 for c in source.calls)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("kind", ["llama-sdpa", "gemma-window4-sdpa"])
+def test_steps_replayed_from_cuda_graphs_equal_plain_greedy(kind):
+    model, _ = model_and_truth(kind)
+    model = model.to("cuda")
+    truth = greedy_reference(model, PROMPT, MAX_NEW + 40)
+    for shape in ("all right", "partly right", "deep and branchy", "empty"):
+        source = OracleSource(truth, SHAPES[shape][0])
+        engine = ReferenceEngine(model, source, max_nodes=64)
+        assert engine.runner(0).graphs
+        assert engine.generate(PROMPT, MAX_NEW).tokens == truth[:MAX_NEW], shape
+    model.to("cpu")
+
+
+def test_a_padded_step_is_filled_with_more_of_the_tree():
+    model, truth = model_and_truth("llama-sdpa")
+
+    class OneNode(VerifyBudget):
+        def choose(self, probs, limit=None, parents=None):
+            return 1
+
+    for padded, drafted in ((False, 1), (True, 4)):
+        source = OracleSource(truth, lambda up: chain(up[:10]))
+        engine = ReferenceEngine(model, source, max_nodes=64, device="cpu", adaptive=True, budget=OneNode(),
+                                 padded=padded)
+        result = engine.generate(PROMPT, MAX_NEW)
+        assert result.tokens == truth[:MAX_NEW]
+        assert {s.drafted for s in result.steps[:-1]} == {drafted}
+        assert {s.accepted for s in result.steps[:-1]} == {drafted}
 
 
 def test_a_tree_longer_than_max_nodes_is_cut_to_its_prefix():

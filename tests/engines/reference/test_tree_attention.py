@@ -1,4 +1,5 @@
-"""Tree masks, positions and KV gathering checked against running every root-to-leaf path as a plain sequence."""
+"""Tree masks, positions and the static cache's upkeep, checked against running every root-to-leaf path as a plain
+sequence."""
 
 from __future__ import annotations
 
@@ -7,23 +8,18 @@ import random
 import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
-from transformers.cache_utils import DynamicCache
 
-from engines.reference.kv_cache import (
-    cache_length,
-    check_invariants,
-    keep_block_entries,
-    new_cache,
-    trim_to_windows,
-    with_cache,
-)
+from engines.reference.step_runner import StepRunner
 from engines.reference.tree_attention import (
-    ancestor_matrix,
+    PAD_PARENT,
+    attention_windows,
+    block_depths,
+    block_mask,
+    block_reach,
+    causal_reach,
+    check_parents,
     model_layer_types,
-    model_tree_mask,
-    tree_depths,
-    tree_mask,
-    tree_positions,
+    model_masks,
 )
 
 VOCAB = 100
@@ -80,27 +76,13 @@ def causal_last_logits(model, seq: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([seq])).logits[0, -1]  # (V,)
 
 
-def tree_step(model, cache: DynamicCache, prefix_len: int, root: int, tokens: list[int],
-              parents: list[int]) -> torch.Tensor:
-    mask = model_tree_mask(model.config, parents, prefix_len, model.dtype)
-    pos = tree_positions(parents, prefix_len)
-    out = model(input_ids=torch.tensor([[root, *tokens]]), attention_mask=mask, position_ids=pos,
-                **with_cache(model, cache), use_cache=True)
-    return out.logits[0]  # (n+1, V)
-
-
-def prefilled(model, prefix: list[int]) -> DynamicCache:
-    cache = new_cache(model.config)
-    if not prefix:
-        return cache
-    model(input_ids=torch.tensor([prefix]), **with_cache(model, cache), use_cache=True)
-    trim_to_windows(cache)
-    return cache
-
-
 # --- pure functions, expected answers written beside them -------------------------------------------------------
 
-def test_depths_positions_and_ancestors_of_a_small_tree():
+def reach_of(parents: list[int]) -> torch.Tensor:
+    return block_reach(torch.tensor(parents, dtype=torch.long))
+
+
+def test_reach_and_depths_of_a_small_tree():
     #        root
     #       /    \
     #     n0      n1
@@ -109,8 +91,6 @@ def test_depths_positions_and_ancestors_of_a_small_tree():
     #  |
     #  n5
     parents = [-1, -1, 0, 0, 1, 2]
-    assert tree_depths(parents) == [1, 1, 2, 2, 2, 3]
-    assert tree_positions(parents, 10).tolist() == [[10, 11, 11, 12, 12, 12, 13]]
     expected = [  # row = query (root, n0..n5), column = key (root, n0..n5)
         [1, 0, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0, 0],
@@ -120,70 +100,103 @@ def test_depths_positions_and_ancestors_of_a_small_tree():
         [1, 0, 1, 0, 0, 1, 0],
         [1, 1, 0, 1, 0, 0, 1],
     ]
-    assert ancestor_matrix(parents).int().tolist() == expected
+    reach = reach_of(parents)
+    assert reach.int().tolist() == expected
+    assert block_depths(reach).tolist() == [0, 1, 1, 2, 2, 2, 3]
+
+
+def test_a_padding_node_sees_only_itself_and_a_long_chain_is_closed():
+    reach = reach_of([-1, PAD_PARENT, 0, PAD_PARENT])
+    assert reach.int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [1, 1, 0, 1, 0],
+                                    [0, 0, 0, 0, 1]]
+    chain64 = reach_of(list(range(-1, 63)))  # 64 deep: needs every squaring
+    assert torch.equal(chain64, causal_reach(65))
+    assert block_depths(chain64).tolist() == list(range(65))
+    assert reach_of([]).tolist() == [[True]]
 
 
 def test_bad_parents_are_rejected():
-    with pytest.raises(ValueError):
-        tree_depths([-1, 1])
-    with pytest.raises(ValueError):
-        ancestor_matrix([0])
+    check_parents([-1, 0, 0, 2])
+    for bad in ([-1, 1], [0], [-1, -2]):
+        with pytest.raises(ValueError):
+            check_parents(bad)
 
 
 def test_mask_layout_values_and_dtype():
     parents = [-1, 0, -1]
-    mask = tree_mask(parents, 2, torch.bfloat16)
-    assert mask.shape == (1, 1, 4, 6) and mask.dtype == torch.bfloat16
+    reach = reach_of(parents)
+    mask = block_mask(reach, block_depths(reach), torch.tensor(2), 7, torch.bfloat16)
+    assert mask.shape == (1, 1, 4, 7) and mask.dtype == torch.bfloat16
     low = torch.finfo(torch.bfloat16).min
-    allowed = [  # keys: p0 p1 | root n0 n1 n2
-        [1, 1, 1, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0],
-        [1, 1, 1, 1, 1, 0],
-        [1, 1, 1, 0, 0, 1],
+    allowed = [  # slots: p0 p1 | root n0 n1 n2 | past the block
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 0, 0, 1, 0],
     ]
     expected = torch.tensor([[0.0 if a else low for a in row] for row in allowed], dtype=torch.bfloat16)
     assert torch.equal(mask[0, 0], expected)
 
 
 def test_sliding_mask_keeps_only_keys_within_the_window():
-    # chain root -> n0 -> n1 at positions 5, 6, 7; the cache keeps positions 3, 4 (window 3 keeps 2 past tokens)
-    mask = tree_mask([-1, 0], 5, past_len=2, sliding_window=3)
-    allowed = (mask[0, 0] == 0).int().tolist()
-    assert allowed == [  # keys at positions: 3 4 | 5 6 7
-        [1, 1, 1, 0, 0],  # query 5 sees 3..5
-        [0, 1, 1, 1, 0],  # query 6 sees 4..6
-        [0, 0, 1, 1, 1],  # query 7 sees 5..7
+    # slots 0-4 hold positions 0-4; the chain root -> n0 -> n1 sits at positions 5, 6, 7; window 3
+    reach = reach_of([-1, 0])
+    mask = block_mask(reach, block_depths(reach), torch.tensor(5), 8, torch.float32, window=3)
+    assert (mask[0, 0] == 0).int().tolist() == [  # keys at positions 0 1 2 3 4 | 5 6 7
+        [0, 0, 0, 1, 1, 1, 0, 0],  # query 5 sees 3..5
+        [0, 0, 0, 0, 1, 1, 1, 0],  # query 6 sees 4..6
+        [0, 0, 0, 0, 0, 1, 1, 1],  # query 7 sees 5..7
     ]
+    # siblings share a position: both at 6, each seeing 4, 5 and itself
+    reach = reach_of([-1, -1])
+    mask = block_mask(reach, block_depths(reach), torch.tensor(5), 8, torch.float32, window=3)
+    assert (mask[0, 0, 1:] == 0).int().tolist() == [[0, 0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 0, 1]]
 
 
 def test_layer_types_pick_one_mask_or_one_per_kind():
     llama = tiny_llama("eager")
     assert model_layer_types(llama.config) == ["full_attention"] * 2
-    assert isinstance(model_tree_mask(llama.config, [-1], 3, torch.float32), torch.Tensor)
+    reach = reach_of([-1])
+    depths, prefix = block_depths(reach), torch.tensor(3)
+    windows = attention_windows(llama.config)
+    assert windows == {"full_attention": None}
+    assert isinstance(model_masks(windows, reach, depths, prefix, 8, torch.float32), torch.Tensor)
     gemma = tiny_gemma("eager", 4)
-    masks = model_tree_mask(gemma.config, [-1, 0], 9, torch.float32)
+    windows = attention_windows(gemma.config)
+    assert windows == {"full_attention": None, "sliding_attention": 4}
+    masks = model_masks(windows, reach, depths, prefix, 8, torch.float32)
     assert set(masks) == {"full_attention", "sliding_attention"}
-    assert masks["full_attention"].shape == (1, 1, 3, 12)
-    assert masks["sliding_attention"].shape == (1, 1, 3, 3 + 3)
+    assert masks["full_attention"].shape == masks["sliding_attention"].shape == (1, 1, 2, 8)
 
 
 # --- against real models ------------------------------------------------------------------------------------------
 
+def runner_after(model, prefix: list[int], padded: bool) -> StepRunner:
+    runner = StepRunner(model, 256, 32, graphs=False, padded=padded)
+    runner.prefill(prefix)
+    runner.cache.check_invariants()
+    return runner
+
+
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_every_node_matches_its_path_run_as_a_plain_sequence(kind, attn):
+def test_every_node_matches_its_path_run_as_a_plain_sequence(kind, attn, padded):
     model = MODELS[kind](attn)
     rng = random.Random(1)
     with torch.inference_mode():
-        for prefix_len, n in [(0, 6), (1, 1), (6, 12), (9, 24)]:
+        for prefix_len, n in [(0, 6), (1, 1), (6, 12), (9, 24), (3, 0)]:
             tokens, parents = random_tree(rng, n)
             seq = [rng.randrange(VOCAB) for _ in range(prefix_len + 1)]
-            cache = prefilled(model, seq[:-1])
-            logits = tree_step(model, cache, prefix_len, seq[-1], tokens, parents)
-            assert n < 6 or max(tree_depths(parents)) >= 3
+            runner = runner_after(model, seq[:-1], padded)
+            out = runner.step(seq[-1], tokens, parents)
+            assert out.logits.shape[0] == runner.bucket(n) + 1 == (n if not padded else runner.bucket(n)) + 1
+            reach = reach_of(parents)
+            assert n < 6 or int(block_depths(reach).max()) >= 3
             for row in range(n + 1):
                 ref = causal_last_logits(model, seq + path_tokens(tokens, parents, row - 1))
-                torch.testing.assert_close(logits[row], ref, atol=TOL, rtol=0)
+                torch.testing.assert_close(out.logits[row], ref, atol=TOL, rtol=0)
+                assert int(out.target[row]) == int(ref.argmax())
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma-window4"])
@@ -193,56 +206,52 @@ def test_a_plain_causal_block_mask_would_be_caught(kind):
     tokens, parents = [5, 6, 7, 8], [-1, -1, 1, 0]
     seq = [1, 2, 3, 4, 9, 10, 11]
     with torch.inference_mode():
-        cache = prefilled(model, seq[:-1])
-        out = model(input_ids=torch.tensor([[seq[-1], *tokens]]), **with_cache(model, cache), use_cache=True).logits[0]
+        out = model(input_ids=torch.tensor([seq + tokens])).logits[0, len(seq) - 1:]  # causal over the block
         ref = causal_last_logits(model, seq + path_tokens(tokens, parents, 1))
         assert (out[2] - ref).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_after_gathering_the_next_step_matches_a_fresh_run(kind, attn):
+def test_after_keeping_a_path_the_next_step_matches_a_fresh_run(kind, attn, padded):
     model = MODELS[kind](attn)
     rng = random.Random(2)
     with torch.inference_mode():
         seq = [rng.randrange(VOCAB) for _ in range(7)]
-        cache = prefilled(model, seq[:-1])
-        prefix_len = len(seq) - 1
-        for step in range(4):
+        runner = runner_after(model, seq[:-1], padded)
+        keep: list[int] = []
+        for step in range(5):
             tokens, parents = random_tree(rng, 10)
-            tree_step(model, cache, prefix_len, seq[-1], tokens, parents)
-            leaf = [9, 5, 0, 3][step]  # a deep path, a middle one, a single node, ...
+            runner.step(seq[-1], tokens, parents, keep)
+            leaf = [9, 5, 0, 3, 1][step]  # a deep path, a middle one, a single node, ...
             path = []
             node = leaf
             while node >= 0:
                 path.append(node)
                 node = parents[node]
-            path = path[::-1]
-            if step == 3:
-                path = []  # ... and nothing accepted
-            keep_block_entries(cache, len(tokens) + 1, [0] + [i + 1 for i in path])
-            seq = seq + [tokens[i] for i in path]
-            prefix_len = len(seq)
-            assert cache_length(cache) == prefix_len
-            check_invariants(cache, prefix_len)  # full layers hold all, sliding ones their window
+            keep = path[::-1] if step < 3 else []  # ... and nothing accepted
+            seq = seq + [tokens[i] for i in keep]
+            runner.cache.length = len(seq)
+            runner.cache.check_invariants()
             seq.append(rng.randrange(VOCAB))  # the bonus token: the next root
-        # the next step, a small tree over the gathered cache
+        # the next step, a small tree over the kept cache
         tokens, parents = [11, 12, 13], [-1, 0, -1]
-        logits = tree_step(model, cache, prefix_len, seq[-1], tokens, parents)
+        out = runner.step(seq[-1], tokens, parents, keep)
         for row in range(4):
             ref = causal_last_logits(model, seq + path_tokens(tokens, parents, row - 1))
-            torch.testing.assert_close(logits[row], ref, atol=TOL, rtol=0)
+            torch.testing.assert_close(out.logits[row], ref, atol=TOL, rtol=0)
 
 
-def test_keep_rejects_unordered_indices_and_unrecorded_sliding_layers():
-    model = tiny_gemma("eager", 4)
+def test_the_cache_refuses_what_does_not_fit():
+    model = tiny_llama("eager")
     with torch.inference_mode():
-        cache = prefilled(model, [1, 2, 3])
+        runner = StepRunner(model, 60, 32, graphs=False)
+        assert runner.cache.capacity == 63  # capacity + the scratch slot: a multiple of 64
         with pytest.raises(ValueError):
-            keep_block_entries(cache, 3, [0, 2, 1])
-        with pytest.raises(AssertionError):
-            check_invariants(cache, 4)
-        plain = DynamicCache(config=model.config)  # sliding layers that forget their past
-        model(input_ids=torch.tensor([[1, 2, 3]]), **with_cache(model, plain), use_cache=True)
+            runner.prefill(list(range(64)))
+        runner.prefill(list(range(40)))
         with pytest.raises(ValueError):
-            keep_block_entries(plain, 2, [0])
+            runner.step(1, list(range(30)), list(range(-1, 29)))
+        with pytest.raises(ValueError):
+            runner.bucket(33)
