@@ -27,6 +27,7 @@ from drafter_service.bench.replay import CoreDrafter, Mode, ReplayResult, replay
 from drafter_service.bench.replicas_bench import add_replicas_bench
 from drafter_service.bench.serve_bench import add_serve_bench
 from drafter_service.bench.soak import add_soak_bench
+from drafter_service.bench.step_profile import add_steps_bench
 from drafter_service.bench.vllm_bench import add_vllm_bench
 from drafter_service.bench.warm_bench import add_warm_bench
 from drafter_service.core.config import GATES, DrafterConfig
@@ -106,6 +107,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     add_proposer_bench(bench)
     add_warm_bench(bench)
     add_e2e_bench(bench)
+    add_steps_bench(bench)
     add_vllm_bench(bench)
     add_corpus_bench(bench)
     add_soak_bench(bench)
