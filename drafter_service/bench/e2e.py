@@ -6,11 +6,10 @@ import argparse
 import json
 import logging
 import os
-import statistics
+import re
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,18 @@ from tqdm import tqdm
 
 from drafter_service.bench.doc_blocks import DocBlockError, add_doc_flag, parse_targets, write_doc_blocks
 from drafter_service.bench.e2e_prompts import E2E_DATASETS, Prompt, load_prompts
-from drafter_service.bench.machine import machine
+from drafter_service.bench.e2e_report import (
+    METHODS,
+    MODEL_METHODS,
+    SERVICE_METHODS,
+    Run,
+    WorkloadResult,
+    format_headline,
+    format_result,
+    method_order,
+    result_json,
+)
+from drafter_service.bench.machine import machine, use_device
 from drafter_service.bench.serve_bench import ServiceProcess
 from drafter_service.core.config import GATES
 from drafter_service.datasets.cache import atomic_output, cache_dir
@@ -29,21 +39,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from engine_client.client import DrafterClient
+    from engines.reference.engine import StepStats
 
 logger = logging.getLogger(__name__)
 
 #: SmolLM2's end of turn (``<|im_end|>``): generation stops after it.
 EOS = 2
-
-#: Methods in the order they run for each prompt (interleaved, so machine noise hits all alike).
-METHODS = ("greedy", "drafter", "drafter-repeat", "card", "card-nocorr", "card-only", "hf", "hf-pld", "hf-assist")
-
-#: Methods drafted by a service of their own, with the flags that service runs with.
-SERVICE_METHODS = {"drafter": (), "card": ("card",), "card-nocorr": ("card", "--card-correction", "0"),
-                   "card-only": ("card", "--sources", "none")}
-
-#: Methods that need the draft model.
-MODEL_METHODS = ("card", "card-nocorr", "card-only", "hf-assist")
 
 #: Where ``drafter distill-draft`` puts the draft model the benchmark uses by default.
 DEFAULT_DRAFT = "drafts/smollm2-4l"
@@ -68,12 +69,17 @@ def add_e2e_bench(bench: argparse._SubParsersAction) -> None:
                    help="also run drafter at each of these fixed budgets (comma-separated node counts, e.g. "
                    "0,1,2,4,8,16,32,64), each with a service of its own, as methods fixed-N")
     p.add_argument("--show", action="store_true", help="print each measured answer as drafter generated it")
+    p.add_argument("--device", default="auto",
+                   help="where the target model, the draft model of hf-assist and card's services, and the engines "
+                   "run: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                   help="auto: whichever decodes a plain step faster on this machine")
+                   help="auto: whichever decodes a plain step faster on the device (float32 for exactness)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help=f"comma-separated subset of {','.join(METHODS)} (card*: drafter with the draft model, "
-                   "with CARD's correction, without it, and without model-free sources; hf-assist: transformers' "
+                   help=f"comma-separated subset of {','.join(METHODS)} (greedy: the reference engine without "
+                   "drafts; card*: drafter with the draft model, with CARD's correction, without it, and without "
+                   "model-free sources; hf: transformers' greedy generate; hf-static: the same with a static cache, "
+                   "compiled on CUDA as generate compiles it; hf-pld: prompt lookup; hf-assist: transformers' "
                    "assisted generation with the same draft model; drafter-repeat: the same prompt again on "
                    "drafter's service right after drafter, a repeated request)")
     p.add_argument("--draft-model", default="", help=f"draft model folder (default: <cache>/{DEFAULT_DRAFT})")
@@ -99,47 +105,104 @@ def add_e2e_bench(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_e2e_bench)
 
 
-@dataclass
-class Run:
-    """One method on one prompt."""
-
-    method: str
-    prompt_id: str
-    tokens: list[int]
-    seconds: float
-    steps: int = 0
-    draft_seconds: float = 0.0  # time spent asking for drafts (client side)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.seconds if self.seconds else 0.0
-
-
-@dataclass
-class WorkloadResult:
-    """Every run of one workload, plus the client's reuse figures."""
-
-    dataset: str
-    runs: list[Run] = field(default_factory=list)
-    reuse: dict[str, float] = field(default_factory=dict)
-    cache_hits: dict[str, float] = field(default_factory=dict)  # method -> draft model cache hit rate
-    gates: dict[str, str] = field(default_factory=dict)  # method -> the draft model gate's verdict at the end
-
-    def of(self, method: str) -> list[Run]:
-        return [r for r in self.runs if r.method == method]
-
-
 def _hf_generate(model: Any, prompt: np.ndarray, max_new: int, **kwargs: object) -> tuple[list[int], float]:
     """Greedy generation with transformers' own ``generate`` (``model``: a ``*ForCausalLM``; Any because
-    ``PreTrainedModel`` lacks ``generate`` and ``GenerationMixin.generate`` is typed for its decorator)."""
+    ``PreTrainedModel`` lacks ``generate`` and ``GenerationMixin.generate`` is typed for its decorator). The time
+    ends once the tokens are back on the host (on CUDA, after the device has finished)."""
     import torch
 
     ids = torch.as_tensor(prompt, dtype=torch.long, device=model.device)[None]
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
                          eos_token_id=EOS, pad_token_id=EOS, **kwargs)
-    seconds = time.perf_counter() - t0
-    return out[0, ids.shape[1]:].tolist(), seconds
+    tokens = out[0, ids.shape[1]:].tolist()
+    return tokens, time.perf_counter() - t0
+
+
+class HfStatic:
+    """transformers' greedy ``generate`` with a static cache (``cache_implementation="static"``), its forward compiled
+    on CUDA as ``generate`` compiles it (``torch.compile`` with transformers' default ``CompileConfig``: inductor,
+    "reduce-overhead"). Where compiling is not possible (the CPU: ``generate`` compiles on accelerators only; or it
+    raises) it runs with the static cache alone, and ``mode`` says so.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` on its device.
+        compiled: try compiling (default: on a CUDA device).
+    """
+
+    def __init__(self, model: Any, compiled: bool | None = None) -> None:
+        self.model = model
+        self.compiled = model.device.type == "cuda" if compiled is None else compiled
+        self.max_cache_len = 0
+        self.mode = ("compiled as generate compiles it (torch.compile, inductor, reduce-overhead)" if self.compiled
+                     else f"static cache alone: not compiled on {model.device.type} (transformers' generate "
+                     "compiles its forward on accelerators only)")
+
+    def kwargs(self) -> dict[str, object]:
+        """``generate``'s arguments: the static cache sized for every measured request (one size, so one compiled
+        graph), and compiling on or off."""
+        from transformers import CompileConfig
+
+        out: dict[str, object] = {"cache_implementation": "static"}
+        if self.max_cache_len:
+            out["max_cache_len"] = self.max_cache_len
+        if self.compiled:
+            out["compile_config"] = CompileConfig()
+        else:
+            out["disable_compile"] = True
+        return out
+
+    def prepare(self, prompts: Sequence[np.ndarray], max_new: int) -> None:
+        """Size the cache for the longest of ``prompts`` plus ``max_new`` tokens and generate twice, untimed (the
+        compilation, then the graphs recorded), so that measured calls only replay."""
+        self.max_cache_len = max(self.max_cache_len, max(len(p) for p in prompts) + max_new)
+        longest = max(prompts, key=len)
+        for _ in range(2):
+            self.generate(longest, min(max_new, 16))
+        if self.compiled and getattr(self.model, "_compiled_call", None) is None:
+            self.compiled = False
+            self.mode = "static cache alone: generate did not compile its forward on this model and device"
+            logger.warning("hf-static: %s", self.mode)
+
+    def generate(self, prompt: np.ndarray, max_new: int) -> tuple[list[int], float]:
+        """One greedy generation: its tokens and seconds (a failed compiled call falls back to the static cache
+        alone, for this call and every later one)."""
+        try:
+            return _hf_generate(self.model, prompt, max_new, **self.kwargs())
+        except Exception as exc:  # inductor needs a compiler toolchain, triton, ...: not every machine has them
+            if not self.compiled:
+                raise
+            self.compiled = False
+            self.mode = f"static cache alone: compiling failed ({type(exc).__name__}: {str(exc)[:200]})"
+            logger.warning("hf-static: %s", self.mode, exc_info=True)
+            return _hf_generate(self.model, prompt, max_new, **self.kwargs())
+
+
+def resolve_device(text: str) -> str:
+    """The device of ``--device``: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N.
+
+    Raises:
+        SystemExit: the text is none of these, or it names a CUDA device torch cannot use (checked before anything
+            loads).
+    """
+    import torch
+
+    text = text.strip().lower()
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise SystemExit(f"--device takes auto, cpu, cuda or cuda:N, got {text!r}")
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if text == "cpu":
+        return text
+    if not torch.cuda.is_available():
+        why = ("this torch was built without CUDA" if torch.version.cuda is None
+               else f"torch (CUDA {torch.version.cuda}) sees no GPU: check the driver and CUDA_VISIBLE_DEVICES")
+        raise SystemExit(f"--device {text}: {why} (torch {torch.__version__}); use --device cpu or auto")
+    index = int(text.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise SystemExit(f"--device {text}: torch sees {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return text
 
 
 def _warm(dataset: str, prompts: list[Prompt], engine_run: Callable[[np.ndarray], list[int]],
@@ -181,11 +244,31 @@ def settling_prompts(warm: Sequence[Prompt], count: int) -> list[Prompt]:
     return list(warm[len(warm) - min(count, len(warm)):])
 
 
-def method_order(method: str) -> tuple[int, int]:
-    """Where a method runs among a prompt's methods (fixed-N after drafter's, by N)."""
-    if method.startswith("fixed-"):
-        return METHODS.index("drafter-repeat"), int(method[6:])
-    return METHODS.index(method), -1
+def run_of(tokens: Sequence[int], seconds: float, steps: Sequence[StepStats]) -> Run:
+    """A ``Run`` (method and prompt left blank) of an engine's generation, with its steps' sums."""
+    return Run("", "", list(tokens), seconds, len(steps), sum(s.draft_seconds for s in steps),
+               sum(s.forward_seconds for s in steps), sum(s.check_seconds for s in steps),
+               sum(s.drafted for s in steps), sum(s.padded for s in steps))
+
+
+def warm_key(args: argparse.Namespace) -> str:
+    """What the cached warm-up generations depend on: dtype, length and (beyond the CPU) the device's kind."""
+    kind = args.device.partition(":")[0]
+    return f"{args.dtype}-{args.max_new_tokens}" + ("" if kind == "cpu" else f"-{kind}")
+
+
+def _hf_method(method: str, model: Any, prompt: np.ndarray, max_new: int, draft: PreTrainedModel | None,
+               hf_static: HfStatic | None) -> tuple[list[int], float]:
+    """One generation by one of transformers' methods: its tokens and seconds."""
+    if method == "hf-static":
+        assert hf_static is not None
+        return hf_static.generate(prompt, max_new)
+    kwargs: dict[str, object] = {}
+    if method == "hf-pld":
+        kwargs = {"prompt_lookup_num_tokens": 10}
+    elif method == "hf-assist":
+        kwargs = {"assistant_model": draft}
+    return _hf_generate(model, prompt, max_new, **kwargs)
 
 
 def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel, addresses: dict[str, str],
@@ -206,28 +289,36 @@ def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel,
     warm = load_prompts(dataset, args.warm)
     measured = load_prompts(dataset, args.requests, skip=args.warm)
     result = WorkloadResult(dataset)
+    device = args.device
     clients = {m: DrafterClient(addr, max_nodes=args.max_nodes) for m, addr in addresses.items()}
     try:
-        plain = ReferenceEngine(model, NoDrafts(), max_nodes=args.max_nodes)
+        plain = ReferenceEngine(model, NoDrafts(), max_nodes=args.max_nodes, device=device)
         engines = {m: ReferenceEngine(model, c, max_nodes=int(m[6:]) if m.startswith("fixed-") else args.max_nodes,
-                                      adaptive=not (args.fixed_budget or m.startswith("fixed-")))
+                                      device=device, adaptive=not (args.fixed_budget or m.startswith("fixed-")))
                    for m, c in clients.items()}
 
         def engine_run(engine: ReferenceEngine, prompt: np.ndarray) -> Run:
             t0 = time.perf_counter()  # prefill included, as in transformers' generate
             out = engine.generate(prompt.tolist(), args.max_new_tokens, eos_token_id=EOS)
-            return Run("", "", list(out.tokens), time.perf_counter() - t0, len(out.steps),
-                       sum(s.draft_seconds for s in out.steps))
+            return run_of(out.tokens, time.perf_counter() - t0, out.steps)
 
         for m, client in clients.items():
             def generated(prompt: np.ndarray, engine: ReferenceEngine = engines[m]) -> list[int]:
                 return engine_run(engine, prompt).tokens
 
-            _warm(dataset, warm, generated, client, f"{args.dtype}-{args.max_new_tokens}")
+            _warm(dataset, warm, generated, client, warm_key(args))
         engine_run(plain, measured[0].token_ids[:32])  # first-call costs (allocator, kernels) out of the way
         for engine in engines.values():
             for p in settling_prompts(warm, args.engine_warm if engine.adaptive else 0):
                 engine_run(engine, p.token_ids)
+        longest = max(p.token_ids.size for p in measured) + args.max_new_tokens
+        for engine in (plain, *engines.values()):  # cache and CUDA graphs made before measuring, untimed
+            engine.runner(longest)
+        hf_static = HfStatic(model) if "hf-static" in methods else None
+        if hf_static is not None:
+            hf_static.prepare([p.token_ids for p in measured], args.max_new_tokens)
+        for method in (m for m in methods if m.startswith("hf") and m != "hf-static"):  # first calls, untimed
+            _hf_method(method, model, measured[0].token_ids[:32], 8, draft, hf_static)
         for client in clients.values():
             client.reset_stats_local()
         before = {m: stats(addr) for m, addr in addresses.items()}
@@ -240,13 +331,7 @@ def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel,
                 elif method == "drafter-repeat":  # drafter's service has just stored this prompt's answer
                     run = engine_run(engines["drafter"], p.token_ids)
                 else:
-                    kwargs: dict[str, object] = {}
-                    if method == "hf-pld":
-                        kwargs = {"prompt_lookup_num_tokens": 10}
-                    elif method == "hf-assist":
-                        kwargs = {"assistant_model": draft}
-                    toks, secs = _hf_generate(model, p.token_ids, args.max_new_tokens, **kwargs)
-                    run = Run("", "", toks, secs)
+                    run = Run("", "", *_hf_method(method, model, p.token_ids, args.max_new_tokens, draft, hf_static))
                 run.method, run.prompt_id = method, p.prompt_id
                 result.runs.append(run)
                 if args.show and method == "drafter":
@@ -263,83 +348,12 @@ def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel,
             if after.get("draft_model_verdict"):
                 result.gates[m] = (f"{after['draft_model_verdict']}, {after['draft_model_ratio']:.2f}x estimated, "
                                    f"nodes {'served' if after.get('draft_model_served') else 'not served'} at the end")
+        if hf_static is not None:
+            result.hf_static = hf_static.mode
     finally:
         for client in clients.values():
             client.close()
     return result
-
-
-def format_headline(results: Sequence[WorkloadResult], args: argparse.Namespace) -> str:
-    """The README's table: per workload, greedy's and drafter's tokens per second, drafter's MAT, and drafter against
-    greedy and against prompt lookup (medians of per-request ratios)."""
-    lines = [f"SmolLM2-135M-Instruct, {args.dtype}, greedy, {args.threads} torch threads, {args.max_new_tokens} new "
-             f"tokens, {args.requests} held-back requests per workload after {args.warm} warm-up requests.", "",
-             "| workload | greedy tok/s | drafter tok/s (MAT) | drafter vs greedy | drafter vs prompt lookup |",
-             "|---|---|---|---|---|"]
-    for res in results:
-        greedy, drafter, pld = res.of("greedy"), res.of("drafter"), res.of("hf-pld")
-        if not greedy or not drafter:
-            continue
-        rate = sum(len(r.tokens) for r in drafter) / sum(r.seconds for r in drafter)
-        mat = sum(len(r.tokens) for r in drafter) / max(1, sum(r.steps for r in drafter))
-        base = sum(len(r.tokens) for r in greedy) / sum(r.seconds for r in greedy)
-        vs_pld = f"{_median_ratio(drafter, pld):.2f}×" if pld else "-"
-        lines.append(f"| {res.dataset} | {base:.1f} | {rate:.1f} ({mat:.2f}) | {_median_ratio(drafter, greedy):.2f}× "
-                     f"| {vs_pld} |")
-    return "\n".join(lines)
-
-
-def _median_ratio(a: Sequence[Run], b: Sequence[Run]) -> float:
-    return statistics.median(x.tokens_per_s / y.tokens_per_s for x, y in zip(a, b, strict=True) if y.tokens_per_s)
-
-
-def format_result(res: WorkloadResult) -> str:
-    """A table: tokens/s, MAT and speedups of each method on one workload."""
-    lines = [f"{res.dataset}: {len({r.prompt_id for r in res.runs})} requests",
-             f"  {'method':<11} {'tok/s (all)':>11} {'tok/s p50':>10} {'MAT':>6} {'vs greedy':>10} {'vs hf-pld':>10}"
-             f" {'vs assist':>10}"]
-    base, pld, assist = res.of("greedy"), res.of("hf-pld"), res.of("hf-assist")
-    ordered = sorted({r.method for r in res.runs}, key=method_order)
-    for method in ordered:
-        runs = res.of(method)
-        if not runs:
-            continue
-        total = sum(len(r.tokens) for r in runs) / sum(r.seconds for r in runs)
-        p50 = statistics.median(r.tokens_per_s for r in runs)
-        mat = f"{sum(len(r.tokens) for r in runs) / sum(r.steps for r in runs):.2f}" if runs[0].steps else "-"
-        vs_g = f"{_median_ratio(runs, base):.2f}x" if base else "-"
-        vs_p = f"{_median_ratio(runs, pld):.2f}x" if pld else "-"
-        vs_a = f"{_median_ratio(runs, assist):.2f}x" if assist else "-"
-        lines.append(f"  {method:<11} {total:>11.1f} {p50:>10.1f} {mat:>6} {vs_g:>10} {vs_p:>10} {vs_a:>10}")
-    for method, rate in res.cache_hits.items():
-        lines.append(f"  {method}: draft model cache hit rate {100 * rate:.1f}% of steps with its drafts")
-    for method, verdict in res.gates.items():
-        lines.append(f"  {method}: draft model gate: {verdict}")
-    free = res.of("drafter")
-    for method in (m for m in ordered if m in MODEL_METHODS and m != "hf-assist"):
-        if free and res.of(method):
-            lines.append(f"  {method} vs drafter (model-free): {_median_ratio(res.of(method), free):.2f}x "
-                         "(median of per-prompt ratios)")
-    fixed = [m for m in ordered if m.startswith("fixed-")]
-    if fixed and res.of("drafter") and base:
-        best = max(fixed, key=lambda m: _median_ratio(res.of(m), base))
-        lines.append(f"  best fixed budget: {best} ({_median_ratio(res.of(best), base):.2f}x greedy); drafter vs it: "
-                     f"{_median_ratio(res.of('drafter'), res.of(best)):.2f}x (median of per-prompt ratios)")
-    for method in (m for m in ordered if m in SERVICE_METHODS and m != "drafter" and base):
-        same = sum(a.tokens == b.tokens for a, b in zip(base, res.of(method), strict=True))
-        lines.append(f"  {method} output equal to greedy: {same}/{len(base)} requests")
-    if base and res.of("drafter"):
-        same = sum(a.tokens == b.tokens for a, b in zip(base, res.of("drafter"), strict=True))
-        d = res.of("drafter")
-        share = sum(r.draft_seconds for r in d) / sum(r.seconds for r in d)
-        lines.append(f"  drafter output equal to greedy: {same}/{len(base)} requests; time asking for drafts: "
-                     f"{100 * share:.2f}% of generation")
-    if res.reuse:
-        r = res.reuse
-        lines.append(f"  draft reuse: {r['reused_steps']:.0f} of {r['steps']:.0f} steps "
-                     f"({100 * r['reuse_share']:.1f}%) served from an earlier tree in {r['mean_reuse_us']:.0f} µs "
-                     f"instead of a {r['mean_round_trip_us']:.0f} µs round trip; {r['saved_ms']:.1f} ms saved")
-    return "\n".join(lines)
 
 
 def draft_folder_of(args: argparse.Namespace) -> Path:
@@ -362,7 +376,8 @@ def _service_args(kind: tuple[str, ...], args: argparse.Namespace, draft: Path |
         return []
     given = [x for attr, flag in CARD_FLAGS.items() if getattr(args, attr) is not None
              for x in (flag, str(getattr(args, attr)))]
-    return ["--draft-model", str(draft), "--draft-dtype", args.dtype, *given, *kind[1:]]
+    return ["--draft-model", str(draft), "--draft-dtype", args.dtype, "--draft-device", args.device, *given,
+            *kind[1:]]
 
 
 def parse_cpus(text: str, flag: str) -> set[int]:
@@ -404,17 +419,21 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
                                                                                           "--service-cpus")
     if engine_cpus:  # before torch starts its threads, which inherit it
         os.sched_setaffinity(0, engine_cpus)
+    device = args.device = resolve_device(args.device)  # a device torch cannot use fails before anything loads
+    use_device(device)  # the machine line, here and in the tables written into the docs, names it
     torch.set_num_threads(args.threads)
     print(f"machine: {machine()}", flush=True)
     if args.dtype == "auto":
-        dtype, plain = fastest_dtype(load_smollm2)
+        dtype, plain = fastest_dtype(lambda d: load_smollm2(d, device))
         args.dtype = "bfloat16" if dtype == torch.bfloat16 else "float32"
-        print("plain decode step: " + ", ".join(f"{str(d).removeprefix('torch.')} {1e3 * t:.1f} ms"
-                                                 for d, t in plain.items()) + f"; using {args.dtype}", flush=True)
+        print(f"plain decode step on {device}: " + ", ".join(f"{str(d).removeprefix('torch.')} {1e3 * t:.1f} ms"
+                                                            for d, t in plain.items()) + f"; using {args.dtype}",
+              flush=True)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    model = load_smollm2(dtype)
+    if dtype == torch.float32:  # exactness: full float32 products (no TF32 on CUDA, whatever the environment says)
+        torch.set_float32_matmul_precision("highest")
+    model = load_smollm2(dtype, device)
     print(f"{args.dtype} {format_curve(measure_step_curve(model))} (256-token cache, median of 3)", flush=True)
-    device = str(model.device)
     draft_folder = draft_folder_of(args) if set(methods) & set(MODEL_METHODS) else None
     draft = None
     if "hf-assist" in methods:
@@ -455,7 +474,6 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
     if args.write_doc:
         write_doc_blocks(args.write_doc, format_headline(results, args))
     if args.json:
-        Path(args.json).write_text(json.dumps([{"dataset": r.dataset, "machine": machine(), "dtype": args.dtype,
-                                                "reuse": r.reuse, "cache_hits": r.cache_hits,
-                                                "runs": [asdict(x) for x in r.runs]} for r in results]))
+        Path(args.json).write_text(json.dumps([result_json(r, machine=machine(), device=device, dtype=args.dtype)
+                                               for r in results]))
     return 0
