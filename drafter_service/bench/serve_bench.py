@@ -71,13 +71,14 @@ class ServiceProcess:
 
     def start(self) -> float:
         """Start and return the seconds until it answers health checks as SERVING."""
-        exe = str(Path(sys.executable).parent / "drafter")
+        script = Path(sys.executable).parent / "drafter"  # absent where the project is on PYTHONPATH, not installed
+        exe = [str(script)] if script.is_file() else [sys.executable, "-m", "drafter_service.cli.entry"]
         env = {**os.environ, "DRAFTER_VOCAB_SIZE": "49152", "DRAFTER_CAPACITY": str(self.capacity),
                "DRAFTER_HTTP_ADDRESS": ""}  # no dashboard: the bench measures gRPC, beside any running service
         t0 = time.monotonic()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.data_dir / "serve.log", "wb") as log:
-            self.proc = subprocess.Popen([exe, "serve", "--address", self.address, "--data-dir", str(self.data_dir),
+            self.proc = subprocess.Popen([*exe, "serve", "--address", self.address, "--data-dir", str(self.data_dir),
                                           *self.extra_args], env=env, stdout=subprocess.DEVNULL, stderr=log,
                                          preexec_fn=self._confine if self.cpus else None)
         try:

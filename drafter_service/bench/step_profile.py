@@ -223,7 +223,7 @@ def run_steps_bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"--device {args.device}: this torch sees no CUDA device")
     torch.set_num_threads(args.threads)
     graphs = False if args.no_graphs else None
-    print(f"machine: {machine()}", flush=True)
+    print(f"machine: {machine(str(device))}", flush=True)
     for name in args.dtype or ["bfloat16", "float32"]:
         dtype = torch.bfloat16 if name == "bfloat16" else torch.float32
         model = load_smollm2(dtype, device)
