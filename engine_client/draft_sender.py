@@ -45,10 +45,12 @@ class Tracked:
 
 @dataclass(frozen=True)
 class Opened:
-    """A request started: ``prompt`` is its whole context so far."""
+    """A request started: ``prompt`` is its whole context so far. ``ticket`` >= 0: its prompt's tree is drafted in
+    the next call, as if a step with that ticket appended nothing (-1: its first tree is its first step's)."""
 
     req: Tracked
     prompt: list[int]
+    ticket: int = -1
 
 
 @dataclass(frozen=True)
@@ -169,9 +171,14 @@ class DraftSender:
         ended: list[Tracked] = []
         ticket = -1
         totals: dict[int, int] = {}
+        fresh: set[int] = set()  # requests drafted for though they appended nothing (their prompt's tree)
         for item in items:
             if isinstance(item, Opened):
                 self._open(item)
+                if item.ticket >= 0 and item.req.session:
+                    ticket = item.ticket
+                    totals[id(item.req)] = len(item.prompt)
+                    fresh.add(id(item.req))
             elif isinstance(item, Stepped):
                 ticket = item.ticket
                 for req, toks, total in zip(item.reqs, item.new, item.totals, strict=True):
@@ -181,7 +188,7 @@ class DraftSender:
             else:
                 ended.append(item.req)
                 self._live.pop(id(item.req), None)
-        self._draft(ticket, totals, [req for req in ended if req.session])
+        self._draft(ticket, totals, [req for req in ended if req.session], fresh)
 
     def _open(self, item: Opened) -> None:
         item.req.ngrams.extend(item.prompt)
@@ -192,10 +199,11 @@ class DraftSender:
             return
         self._live[id(item.req)] = item.req
 
-    def _draft(self, ticket: int, totals: dict[int, int], ended: list[Tracked]) -> None:
-        """One DraftBatch with every live request's unsent tokens, each getting a tree for its new context, that
-        also ends the requests in ``ended`` (the service stores them)."""
-        reqs = [r for r in self._live.values() if r.unsent]
+    def _draft(self, ticket: int, totals: dict[int, int], ended: list[Tracked], fresh: set[int]) -> None:
+        """One DraftBatch with every live request's unsent tokens (and the requests of ``fresh``, by id, with none),
+        each getting a tree for its new context, that also ends the requests in ``ended`` (the service stores
+        them)."""
+        reqs = [r for r in self._live.values() if r.unsent or id(r) in fresh]
         if not reqs and not ended:
             return
         items = [(r.session, r.unsent) for r in reqs]

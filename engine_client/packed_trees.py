@@ -1,5 +1,5 @@
-"""Many draft trees indexed for pre-speculation: follow tokens down a tree, then read the chain below, in a few
-dictionary and list lookups per request.
+"""Many draft trees indexed for pre-speculation: follow tokens down a tree, then read the chain (or the subtree)
+below, in a few dictionary and list lookups per request.
 
 Pre-speculation looks up every running request's next chain in the tree drafted for an earlier step: it follows
 the tokens the engine appended since (the accepted draft tokens and the target's own token) down that tree, then
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from drafter_service.api.tree import DraftTree
+from drafter_service.api.tree import EMPTY_TREE, DraftTree
 from engine_client.step_batch import PackedBatch
 
 __all__ = ["PackedTrees"]
@@ -32,10 +32,12 @@ class PackedTrees:
         token: per code, its token (-1 for a root).
         prob: per code, its estimate (1.0 for a root).
         width, min_prob: chains stop after ``width`` tokens, and before a token estimated under ``min_prob``
-            given the code they start from.
+            given the code they start from (subtrees leave out such nodes, at any depth).
+        parent: (n,) int64, the code of each flat node's parent (for ``subtree``).
+        offsets: (trees + 1,) int64, tree ``t`` is flat nodes ``offsets[t] .. offsets[t + 1] - 1``.
     """
 
-    __slots__ = ("trees", "edges", "best", "token", "prob", "width", "min_prob")
+    __slots__ = ("trees", "edges", "best", "token", "prob", "width", "min_prob", "parent", "offsets")
 
     def __init__(self, token_ids: Sequence[int] | np.ndarray, parents: Sequence[int] | np.ndarray,
                  probs: Sequence[float] | np.ndarray, offsets: Sequence[int] | np.ndarray, width: int,
@@ -65,6 +67,8 @@ class PackedTrees:
         self.best: list[int] = best.tolist()
         self.token: list[int] = [-1] * trees + tokens.tolist()
         self.prob: list[float] = [1.0] * trees + node_prob.tolist()
+        self.parent: np.ndarray = parent  # (n,) int64 parent codes; kept as it is, read by ``subtree`` only
+        self.offsets: np.ndarray = offsets  # (trees + 1,) int64
 
     @classmethod
     def of_batch(cls, batch: PackedBatch, width: int, min_prob: float = 0.0) -> PackedTrees:
@@ -106,3 +110,41 @@ class PackedTrees:
             tokens.append(self.token[code])
             estimates.append(p)
         return tokens, estimates
+
+    def subtree(self, code: int, max_nodes: int) -> DraftTree:
+        """The part of ``code``'s tree strictly below it, re-rooted there (``DraftTree.subtree``), cut to its first
+        ``max_nodes`` nodes in the tree's order (best first as the service drafts it, so the cut is the best tree
+        of its size, as ``DraftTree.prefix``). Estimates are given ``code`` (each over ``code``'s, at most 1); a
+        node estimated under ``min_prob`` (or at 0) is left out with everything below it. Empty for a leaf."""
+        if max_nodes <= 0 or code < 0 or self.best[code] < 0:
+            return EMPTY_TREE
+        trees = self.trees
+        if code < trees:  # a root: its whole tree
+            start, end = int(self.offsets[code]), int(self.offsets[code + 1])
+        else:  # its descendants come after it, before the end of its tree
+            flat = code - trees
+            start, end = flat + 1, int(self.offsets[int(np.searchsorted(self.offsets, flat, "right"))])
+        token, prob, min_prob = self.token, self.prob, self.min_prob
+        base = prob[code]
+        if base <= 0.0:
+            base = 1.0
+        keep = {code: -1}  # code -> its index in the subtree (-1: the new root)
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        for c, parent in enumerate(self.parent[start:end].tolist(), trees + start):
+            at = keep.get(parent)
+            if at is None:
+                continue
+            p = prob[c] / base
+            if p > 1.0:
+                p = 1.0
+            if p < min_prob or p <= 0.0:
+                continue
+            keep[c] = len(tokens)
+            tokens.append(token[c])
+            parents.append(at)
+            probs.append(p)
+            if len(tokens) == max_nodes:
+                break
+        return DraftTree(tuple(tokens), tuple(parents), tuple(probs), float(sum(probs)))

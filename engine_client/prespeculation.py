@@ -11,6 +11,9 @@ step's own answer: wait while the missed rows' expected accepted tokens are wort
 engine's step time. A breaker stops all waiting while the service answers late, and closes again with backoff.
 Before the rule, a missed row gets a chain from prompt lookup over its own context (``ContextNgrams``) where its
 last token occurred before: in process, so the rows the rule weighs are those nothing local can draft.
+
+Engines that verify trees call ``step_trees`` instead of ``step``: the same bookkeeping, lookups and wait rule, with
+each row's best-first subtree below its outcome in place of the chain (``PackedTrees.subtree``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from drafter_service.api.backoff import BackoffClock, ExponentialBackoff
+from drafter_service.api.tree import EMPTY_TREE, DraftTree
+from drafter_service.api.tree import chain as chain_tree
 from engine_client.client import DrafterClient
 from engine_client.draft_sender import DraftSender, Ended, Landed, Opened, Stepped, Tracked
 from engine_client.packed_trees import PackedTrees
@@ -43,12 +48,18 @@ Chains = tuple[list[list[int]], list[list[float]]]
 """Per row: the chain's tokens, and each token's estimate given the row's context."""
 
 
+def lookup_estimates(match: int, length: int) -> list[float]:
+    """Estimates of a prompt-lookup chain of ``length`` tokens whose match was ``match`` tokens long."""
+    first = LOOKUP_FIRST[match]
+    return [first * LOOKUP_DECAY ** j for j in range(length)]
+
+
 @dataclass
 class PreSpeculationFigures:
     """What pre-speculation did: hits and misses per row, waits per step, and the times the wait rule uses."""
 
-    hits: int = 0  # rows whose chain came from a tree drafted earlier, without the network
-    misses: int = 0  # rows that wanted a chain but their tree held none below what they appended
+    hits: int = 0  # rows whose chain (or subtree) came from a tree drafted earlier, without the network
+    misses: int = 0  # rows that wanted a chain (or subtree) but their tree held none below what they appended
     waits: int = 0  # steps that waited for their own answer
     late: int = 0  # waits that ended without the answer (the breaker opened)
     looked_up: int = 0  # missed rows given a chain by prompt lookup over their own context
@@ -96,10 +107,21 @@ class PreSpeculator:
 
     # -- the engine's thread -------------------------------------------------------------------------------
 
-    def open(self, prompt: Sequence[int]) -> Tracked:
-        """A new request with its prompt (its context so far); returns its handle."""
+    def open(self, prompt: Sequence[int], draft: bool = False) -> Tracked:
+        """A new request with its prompt (its context so far); returns its handle.
+
+        Args:
+            prompt: the request's tokens so far.
+            draft: also ask for the prompt's own tree in the next call (the engine's first step appends nothing:
+                ``release`` now, and the tree is drafted while the engine prefills); otherwise the first tree is
+                that of the request's first step.
+        """
         req = Tracked(list(prompt[-self.history:]), len(prompt))
-        self._sender.put(Opened(req, list(prompt)), wake=False)
+        if draft:
+            self._ticket += 1
+            self._sender.put(Opened(req, list(prompt), self._ticket), wake=False)
+        else:
+            self._sender.put(Opened(req, list(prompt)), wake=False)
         return req
 
     def close(self, req: Tracked) -> None:
@@ -114,29 +136,8 @@ class PreSpeculator:
             new: tokens each row appended since its last step (accepted draft tokens and the target's own).
             max_lengths: most chain tokens per row (0: no chain wanted).
         """
-        now = self.clock()
         fig = self.figures
-        batch = tuple(map(id, reqs))
-        if self._last_step and batch == self._last_batch:  # not across a change of batch (an idle engine's gap)
-            took = now - self._last_step
-            fig.step_seconds += EMA * (took - fig.step_seconds) if fig.step_seconds else took
-        self._last_batch = batch
-        accepted, chains_proposed = 0, 0
-        history = self.history
-        for req, toks in zip(reqs, new, strict=True):
-            if req.proposed:
-                chains_proposed += 1
-                accepted += min(max(len(toks) - 1, 0), req.proposed)
-            req.total += len(toks)
-            recent = req.recent
-            recent += toks
-            if len(recent) > 2 * history:
-                del recent[:-history]
-        if chains_proposed:
-            fig.accepted_per_chain += EMA * (accepted / chains_proposed - fig.accepted_per_chain)
-        self._ticket += 1
-        ticket = self._ticket
-        self._sender.put(Stepped(ticket, list(reqs), list(new), [r.total for r in reqs]), wake=False)
+        ticket = self._record(reqs, new, True)
         if self.prespeculate:
             tokens, probs = self._lookup(reqs, max_lengths)
             from_trees = sum(1 for t in tokens if t)
@@ -148,17 +149,53 @@ class PreSpeculator:
         else:
             tokens, probs = [[] for _ in reqs], [[] for _ in reqs]
             hits, missed = 0, sum(1 for m in max_lengths if m > 0)
-        if missed:
-            wait = self._worth_waiting(missed, len(reqs), hits)
-            if wait > 0 and self._wait_for(ticket, wait):
-                fresh, fresh_probs = self._lookup(reqs, max_lengths)  # drafted for this very context
-                for i, chain in enumerate(fresh):
-                    if chain:
-                        tokens[i], probs[i] = chain, fresh_probs[i]
+        if missed and self._waited(ticket, missed, len(reqs), hits):
+            fresh, fresh_probs = self._lookup(reqs, max_lengths)  # drafted for this very context
+            for i, chain in enumerate(fresh):
+                if chain:
+                    tokens[i], probs[i] = chain, fresh_probs[i]
         for req, chain in zip(reqs, tokens, strict=True):
             req.proposed = len(chain)
         self._last_step = self.clock()
         return tokens, probs
+
+    def step_trees(self, reqs: Sequence[Tracked], new: Sequence[list[int]], max_nodes: Sequence[int]
+                   ) -> list[DraftTree]:
+        """``step`` for engines that verify trees: record each row's new tokens and return its subtree for the new
+        context (EMPTY_TREE: none).
+
+        A row's tree is the best-first subtree below what it appended since the latest tree that landed for it (or
+        the one before), cut to its ``max_nodes`` with estimates given its new context; a missed row may get a chain
+        by prompt lookup, then the wait rule weighs the rest, as in ``step``. A step where no row appended anything
+        (an engine's first step after ``open(prompt, draft=True)``) queues nothing: its wait is for the last call's
+        answer (the prompt's tree).
+
+        Args:
+            reqs: each row's request.
+            new: tokens each row appended since its last step (accepted draft tokens and the target's own).
+            max_nodes: most nodes per row (0: no tree wanted).
+        """
+        fig = self.figures
+        ticket = self._record(reqs, new, any(new))
+        if self.prespeculate:
+            trees = self._lookup_trees(reqs, max_nodes)
+            from_trees = sum(1 for t in trees if t)
+            missed = sum(1 for t, m in zip(trees, max_nodes, strict=True) if not t and m > 0)
+            fig.hits += from_trees
+            fig.misses += missed
+            looked_up = self._look_up_missing_trees(reqs, max_nodes, trees) if missed else 0
+            hits, missed = from_trees + looked_up, missed - looked_up
+        else:
+            trees = [EMPTY_TREE] * len(reqs)
+            hits, missed = 0, sum(1 for m in max_nodes if m > 0)
+        if missed and self._waited(ticket, missed, len(reqs), hits):
+            for i, tree in enumerate(self._lookup_trees(reqs, max_nodes)):  # drafted for this very context
+                if tree:
+                    trees[i] = tree
+        for req, tree in zip(reqs, trees, strict=True):
+            req.proposed = len(tree)
+        self._last_step = self.clock()
+        return trees
 
     def release(self) -> None:
         """The engine's thread is done with this step: the sender may send what is queued."""
@@ -184,6 +221,35 @@ class PreSpeculator:
         """Stop the sender after what is queued was sent."""
         self._sender.close()
 
+    def _record(self, reqs: Sequence[Tracked], new: Sequence[list[int]], queue: bool) -> int:
+        """The bookkeeping of a step, chains or trees: the engine's step time, the tokens accepted of what was
+        proposed, each row's new tokens; with ``queue``, the step goes to the sender. Returns the ticket of the
+        answer that drafts for the new contexts (the last one queued)."""
+        now = self.clock()
+        fig = self.figures
+        batch = tuple(map(id, reqs))
+        if self._last_step and batch == self._last_batch:  # not across a change of batch (an idle engine's gap)
+            took = now - self._last_step
+            fig.step_seconds += EMA * (took - fig.step_seconds) if fig.step_seconds else took
+        self._last_batch = batch
+        accepted, chains_proposed = 0, 0
+        history = self.history
+        for req, toks in zip(reqs, new, strict=True):
+            if req.proposed:
+                chains_proposed += 1
+                accepted += min(max(len(toks) - 1, 0), req.proposed)
+            req.total += len(toks)
+            recent = req.recent
+            recent += toks
+            if len(recent) > 2 * history:
+                del recent[:-history]
+        if chains_proposed:
+            fig.accepted_per_chain += EMA * (accepted / chains_proposed - fig.accepted_per_chain)
+        if queue:
+            self._ticket += 1
+            self._sender.put(Stepped(self._ticket, list(reqs), list(new), [r.total for r in reqs]), wake=False)
+        return self._ticket
+
     def _lookup(self, reqs: Sequence[Tracked], max_lengths: Sequence[int]) -> Chains:
         """Each row's chain from the latest tree its request has, followed down the tokens appended since; where
         that leaves the tree, from the tree before it (the last chain was often cut from that one)."""
@@ -206,8 +272,32 @@ class PreSpeculator:
             if max_len > 0 and not tokens[i]:
                 chain, n = req.ngrams.chain(req.recent, max_len)
                 if chain:
-                    first = LOOKUP_FIRST[n]
-                    tokens[i], probs[i] = chain, [first * LOOKUP_DECAY ** j for j in range(len(chain))]
+                    tokens[i], probs[i] = chain, lookup_estimates(n, len(chain))
+                    found += 1
+        self.figures.looked_up += found
+        return found
+
+    def _lookup_trees(self, reqs: Sequence[Tracked], max_nodes: Sequence[int]) -> list[DraftTree]:
+        """``_lookup`` for trees: each row's subtree below what it appended since its latest tree, else since the
+        tree before it."""
+        trees: list[DraftTree] = []
+        for req, n in zip(reqs, max_nodes, strict=True):
+            tree = self._subtree(req, req.landed, n) if n > 0 else EMPTY_TREE
+            if not tree and n > 0 and req.earlier[1] is not None:
+                tree = self._subtree(req, req.earlier, n)
+            trees.append(tree)
+        return trees
+
+    def _look_up_missing_trees(self, reqs: Sequence[Tracked], max_nodes: Sequence[int], trees: list[DraftTree]
+                               ) -> int:
+        """``_look_up_missing`` for trees: a prompt-lookup chain (of at most ``k`` tokens) for each row that wants
+        a tree and has none; returns how many rows got one."""
+        found = 0
+        for i, (req, n) in enumerate(zip(reqs, max_nodes, strict=True)):
+            if n > 0 and not trees[i]:
+                tokens, match = req.ngrams.chain(req.recent, min(n, self.k))
+                if tokens:
+                    trees[i] = chain_tree(tokens, lookup_estimates(match, len(tokens)))
                     found += 1
         self.figures.looked_up += found
         return found
@@ -221,6 +311,15 @@ class PreSpeculator:
             return [], []
         code = tree.descend(root, req.recent[len(req.recent) - span:]) if span else root
         return tree.chain(code, max_len) if code >= 0 else ([], [])
+
+    def _subtree(self, req: Tracked, landed: tuple[int, PackedTrees | None, int], max_nodes: int) -> DraftTree:
+        """``_cut`` for trees: the subtree below the request's tokens since ``landed``'s context (empty: none)."""
+        base, tree, root = landed
+        span = req.total - base
+        if tree is None or not 0 <= span <= min(self.history, len(req.recent)):
+            return EMPTY_TREE
+        code = tree.descend(root, req.recent[len(req.recent) - span:]) if span else root
+        return tree.subtree(code, max_nodes) if code >= 0 else EMPTY_TREE
 
     def _worth_waiting(self, missed: int, rows: int, hits: int) -> float:
         """Seconds worth waiting for the step's own answer (0: do not wait).
@@ -241,6 +340,11 @@ class PreSpeculator:
         if worth < fig.round_trip_seconds:
             return 0.0
         return min(self.timeout, worth)
+
+    def _waited(self, ticket: int, missed: int, rows: int, hits: int) -> bool:
+        """Whether the step waited for its own answer (``ticket``) and got it, by the wait rule."""
+        wait = self._worth_waiting(missed, rows, hits)
+        return wait > 0 and self._wait_for(ticket, wait)
 
     def _wait_for(self, ticket: int, seconds: float) -> bool:
         """Wait up to ``seconds`` for the answer carrying ``ticket``; a late answer opens the breaker."""

@@ -1,5 +1,6 @@
-"""PreSpeculator against a real service over a real channel: chains cut from the tree drafted one step ahead, the
-wait rule on a miss, and the breaker while the service is stopped."""
+"""PreSpeculator against a real service over a real channel: chains (and subtrees) cut from the tree drafted one step
+ahead, the wait rule on a miss, and the breaker while the service is stopped; subtree extraction on hand-built
+trees."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import signal
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from drafter_service.api.tree import EMPTY_TREE, DraftTree, accept_greedy
 from drafter_service.bench.serve_bench import ServiceProcess
 from drafter_service.core.config import DrafterConfig
 from drafter_service.rpc.server import create_server
 from drafter_service.service.config import ServiceConfig
 from engine_client import DrafterClient
+from engine_client.packed_trees import PackedTrees
 from engine_client.prespeculation import PreSpeculator
 
 VOCAB = 300
@@ -181,3 +186,116 @@ def test_a_missed_row_whose_own_context_repeats_gets_a_chain_by_prompt_lookup_wi
     chains, probs = spec.step([req], [[203]], [K])  # its context now ends as its prompt began
     assert chains == [[204, 205, 206, 207]] and len(probs[0]) == K
     assert (spec.figures.hits, spec.figures.misses, spec.figures.looked_up, spec.figures.waits) == (0, 2, 1, 0)
+
+
+# root -> 5 (0.9) -> 6 (0.8) -> 7 (0.4); root -> 9 (0.5) -> 10 (0.45); 6 -> 8 (0.3)
+FIRST = DraftTree((5, 9, 6, 10, 7, 8), (-1, -1, 0, 1, 2, 2), (0.9, 0.5, 0.8, 0.45, 0.4, 0.3), 3.35)
+# root -> 5 (0.6) -> 1 (0.2)
+SECOND = DraftTree((5, 1), (-1, 0), (0.6, 0.2), 0.8)
+
+
+def tree(tokens: tuple[int, ...], parents: tuple[int, ...], probs: tuple[float, ...]) -> DraftTree:
+    return DraftTree(tokens, parents, probs, float(sum(probs)))
+
+
+def test_the_subtree_below_a_code_is_re_rooted_there_in_tree_order_with_estimates_given_it():
+    packed = PackedTrees.from_trees([FIRST, DraftTree(), SECOND], width=2)  # chains' width does not cut subtrees
+    assert packed.subtree(0, 8) == FIRST  # the root: the whole tree
+    assert packed.subtree(0, 3) == tree((5, 9, 6), (-1, -1, 0), (0.9, 0.5, 0.8))  # its first three nodes
+    five = packed.descend(0, [5])
+    assert packed.subtree(five, 8) == tree((6, 7, 8), (-1, 0, 0), (0.8 / 0.9, 0.4 / 0.9, 0.3 / 0.9))
+    assert packed.subtree(five, 2) == tree((6, 7), (-1, 0), (0.8 / 0.9, 0.4 / 0.9))
+    assert packed.subtree(packed.descend(0, [5, 6]), 8) == tree((7, 8), (-1, -1), (0.4 / 0.8, 0.3 / 0.8))
+    assert packed.subtree(packed.descend(0, [9]), 8) == tree((10,), (-1,), (0.9,))
+    assert packed.subtree(packed.descend(0, [9, 10]), 8) == EMPTY_TREE  # a leaf
+    assert packed.subtree(1, 8) == EMPTY_TREE  # the empty tree
+    assert packed.subtree(2, 8) == SECOND  # the third tree, after the empty one
+    assert packed.subtree(packed.descend(2, [5]), 8) == tree((1,), (-1,), (0.2 / 0.6,))
+    assert packed.subtree(0, 0) == EMPTY_TREE
+    cut = PackedTrees.from_trees([FIRST], width=8, min_prob=0.5)  # under 0.5 given the code: left out, and below
+    assert cut.subtree(cut.descend(0, [5]), 8) == tree((6,), (-1,), (0.8 / 0.9,))
+    assert cut.subtree(0, 8) == tree((5, 9, 6), (-1, -1, 0), (0.9, 0.5, 0.8))
+
+
+@st.composite
+def trees(draw) -> DraftTree:
+    n = draw(st.integers(0, 12))
+    parents: list[int] = []
+    tokens: list[int] = []
+    probs: list[float] = []
+    for i in range(n):
+        parent = draw(st.integers(-1, i - 1))
+        taken = {t for t, p in zip(tokens, parents, strict=True) if p == parent}
+        tokens.append(draw(st.integers(0, 6).filter(lambda t, taken=taken: t not in taken)))
+        parents.append(parent)
+        probs.append(draw(st.floats(0.01, 1.0)) * (probs[parent] if parent >= 0 else 1.0))
+    return DraftTree(tuple(tokens), tuple(parents), tuple(probs), float(sum(probs)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(trees(), min_size=1, max_size=4), st.data())
+def test_the_subtree_is_draft_trees_subtree_cut_to_a_prefix(forest, data):
+    packed = PackedTrees.from_trees(forest, width=3)
+    for t, whole in enumerate(forest):
+        node = data.draw(st.integers(-1, len(whole) - 1))
+        max_nodes = data.draw(st.integers(0, 13))
+        expected = whole.subtree(node).prefix(max_nodes)
+        code = packed.descend(t, whole.path(node)) if node >= 0 else t
+        got = packed.subtree(code, max_nodes)
+        assert (got.token_ids, got.parents) == (expected.token_ids, expected.parents)
+        assert got.probs == pytest.approx(expected.probs)
+        got.check_invariants(max_nodes=max_nodes)
+
+
+def test_step_trees_cuts_the_subtree_below_the_outcome_from_the_tree_drafted_one_step_ahead(service):
+    server, address = service
+    spec = speculator(address)
+    req = spec.open(DOC[:10], draft=True)  # the prompt's own tree is asked for at once
+    spec.release()
+    landed(req)
+    first = spec.step_trees([req], [[]], [8])[0]  # the first step appends nothing: the prompt's tree
+    first.check_invariants(max_nodes=8)
+    assert accept_greedy(first, DOC[10:])[0] >= 4
+    spec.release()
+    server.stop(0).wait()  # from here on nothing can come from the network
+    # the engine accepted three nodes, then its own token: the subtree below those four tokens
+    below = spec.step_trees([req], [DOC[10:14]], [8])[0]
+    below.check_invariants(max_nodes=8)
+    assert accept_greedy(below, DOC[14:])[0] >= 4
+    assert all(0 < p <= 1 for p in below.probs) and max(below.probs) > 0.5  # given the outcome, not the root
+    assert (spec.figures.hits, spec.figures.misses, spec.figures.waits) == (2, 0, 0)
+    spec.close_all()
+
+
+def test_step_trees_falls_back_to_the_earlier_tree_and_a_row_without_a_budget_gets_none(service):
+    server, address = service
+    server.stop(0).wait()
+    spec = speculator(address)
+    req = spec.open([1, 2, 3])
+    spec.step_trees([req], [[4]], [8])  # the request now holds 4 tokens
+    # as landed: the tree before (for 3 tokens) holds the outcome 4 -> 5; the latest (for 4 tokens) does not hold 5
+    req.earlier = (3, PackedTrees.from_trees([tree((4, 5, 6, 7), (-1, 0, 1, 1), (0.8, 0.4, 0.2, 0.1))], 8), 0)
+    req.landed = (4, PackedTrees.from_trees([tree((9,), (-1,), (0.5,))], 8), 0)
+    trees_, = spec.step_trees([req], [[5]], [8])
+    assert trees_ == tree((6, 7), (-1, -1), (0.2 / 0.4, 0.1 / 0.4))
+    assert spec.step_trees([req], [[6]], [0]) == [EMPTY_TREE]
+    spec.close_all()
+
+
+def test_the_first_empty_step_waits_for_the_prompts_tree_when_the_engine_step_is_long(service):
+    _, address = service
+    clock = Clock(step=1.0)  # a slow engine: a round trip is worth waiting for
+    spec = speculator(address, clock)
+    warm = spec.open(DOC[:20])
+    for i in range(2):  # an earlier request measures the engine's step
+        spec.step_trees([warm], [[DOC[20 + i]]], [8])
+        spec.release()
+        clock.now += clock.step
+    assert spec.figures.step_seconds == 1.0
+    waits = spec.figures.waits
+    req = spec.open(DOC[:30], draft=True)  # not released: its tree is not on the way yet
+    got = spec.step_trees([req], [[]], [8])[0]  # nothing landed, no repeat to look up: wait for the open's answer
+    spec.release()
+    assert accept_greedy(got, DOC[30:])[0] >= 4
+    assert (spec.figures.waits - waits, spec.figures.late) == (1, 0)
+    spec.close_all()
