@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 #: SmolLM2's end of turn (``<|im_end|>``): generation stops after it.
 EOS = 2
 
+#: drafter-pre's figures that count (the others are running means).
+PRESPECULATION_COUNTS = ("hits", "misses", "waits", "late", "looked_up", "answers", "sender_cpu_seconds")
+
 #: Where ``drafter distill-draft`` puts the draft model the benchmark uses by default.
 DEFAULT_DRAFT = "drafts/smollm2-4l"
 
@@ -77,7 +80,9 @@ def add_e2e_bench(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)} (greedy: the reference engine without "
-                   "drafts; card*: drafter with the draft model, with CARD's correction, without it, and without "
+                   "drafts; drafter-pre: drafter's trees pre-speculated a step ahead on a background thread "
+                   "(PreSpeculatedSource), drafter: the synchronous client (DrafterClient); card*: drafter with "
+                   "the draft model, with CARD's correction, without it, and without "
                    "model-free sources; hf: transformers' greedy generate; hf-static: the same with a static cache, "
                    "compiled on CUDA as generate compiles it; hf-pld: prompt lookup; hf-assist: transformers' "
                    "assisted generation with the same draft model; drafter-repeat: the same prompt again on "
@@ -281,7 +286,8 @@ def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel,
     """
     from engine_client.admin import stats
     from engine_client.client import DrafterClient
-    from engine_client.draft_source import NoDrafts
+    from engine_client.draft_source import DraftSource, NoDrafts
+    from engine_client.prespeculated_source import PreSpeculatedSource
     from engines.reference.engine import ReferenceEngine
 
     methods = sorted([m.strip() for m in args.methods.split(",") if m.strip()]
@@ -291,11 +297,16 @@ def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel,
     result = WorkloadResult(dataset)
     device = args.device
     clients = {m: DrafterClient(addr, max_nodes=args.max_nodes) for m, addr in addresses.items()}
+    # drafter-pre: trees pre-speculated a step ahead on a background thread (its own client, on the same service)
+    pre = (PreSpeculatedSource(addresses["drafter-pre"], max_nodes=min(4 * args.max_nodes, 1024))
+           if "drafter-pre" in addresses else None)
+    sources: dict[str, DraftSource] = {m: pre if m == "drafter-pre" and pre is not None else c
+                                       for m, c in clients.items()}
     try:
         plain = ReferenceEngine(model, NoDrafts(), max_nodes=args.max_nodes, device=device)
         engines = {m: ReferenceEngine(model, c, max_nodes=int(m[6:]) if m.startswith("fixed-") else args.max_nodes,
                                       device=device, adaptive=not (args.fixed_budget or m.startswith("fixed-")))
-                   for m, c in clients.items()}
+                   for m, c in sources.items()}
 
         def engine_run(engine: ReferenceEngine, prompt: np.ndarray) -> Run:
             t0 = time.perf_counter()  # prefill included, as in transformers' generate
@@ -321,6 +332,7 @@ def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel,
             _hf_method(method, model, measured[0].token_ids[:32], 8, draft, hf_static)
         for client in clients.values():
             client.reset_stats_local()
+        pre_before = pre.stats_local() if pre is not None else {}
         before = {m: stats(addr) for m, addr in addresses.items()}
         for p in tqdm(measured, desc=f"{dataset}: measuring", unit="req"):
             for method in methods:
@@ -340,6 +352,9 @@ def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel,
         if "drafter" in clients:
             result.reuse = {k: v for k, v in clients["drafter"].stats_local().as_dict().items()
                             if isinstance(v, (int, float))}
+        if pre is not None:  # counts over the measured requests; running means as they ended
+            result.prespeculation = {k: v - pre_before[k] if k in PRESPECULATION_COUNTS else v
+                                     for k, v in pre.stats_local().items()}
         for m, addr in addresses.items():
             after = stats(addr)
             steps = after["draft_model_steps"] - before[m]["draft_model_steps"]
@@ -351,6 +366,8 @@ def run_workload(dataset: str, args: argparse.Namespace, model: PreTrainedModel,
         if hf_static is not None:
             result.hf_static = hf_static.mode
     finally:
+        if pre is not None:
+            pre.close()
         for client in clients.values():
             client.close()
     return result

@@ -13,12 +13,12 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 #: Methods in the order they run for each prompt (interleaved, so machine noise hits all alike).
-METHODS = ("greedy", "drafter", "drafter-repeat", "card", "card-nocorr", "card-only", "hf", "hf-static", "hf-pld",
-           "hf-assist")
+METHODS = ("greedy", "drafter", "drafter-pre", "drafter-repeat", "card", "card-nocorr", "card-only", "hf", "hf-static",
+           "hf-pld", "hf-assist")
 
 #: Methods drafted by a service of their own, with the flags that service runs with.
-SERVICE_METHODS = {"drafter": (), "card": ("card",), "card-nocorr": ("card", "--card-correction", "0"),
-                   "card-only": ("card", "--sources", "none")}
+SERVICE_METHODS = {"drafter": (), "drafter-pre": (), "card": ("card",),
+                   "card-nocorr": ("card", "--card-correction", "0"), "card-only": ("card", "--sources", "none")}
 
 #: Methods that need the draft model.
 MODEL_METHODS = ("card", "card-nocorr", "card-only", "hf-assist")
@@ -74,6 +74,7 @@ class WorkloadResult:
     dataset: str
     runs: list[Run] = field(default_factory=list)
     reuse: dict[str, float] = field(default_factory=dict)
+    prespeculation: dict[str, float] = field(default_factory=dict)  # drafter-pre's PreSpeculatedSource figures
     cache_hits: dict[str, float] = field(default_factory=dict)  # method -> draft model cache hit rate
     gates: dict[str, str] = field(default_factory=dict)  # method -> the draft model gate's verdict at the end
     hf_static: str = ""  # how hf-static ran: compiled, or the static cache alone and why
@@ -200,6 +201,12 @@ def format_result(res: WorkloadResult) -> str:
             share = sum(r.draft_seconds for r in free) / sum(r.seconds for r in free)
             line += f"; time asking for drafts: {100 * share:.2f}% of generation"
         lines.append(line)
+    if res.prespeculation:
+        f = res.prespeculation
+        lines.append(f"  drafter-pre: {f['hits']:.0f} steps served from a tree drafted a step ahead, "
+                     f"{f['misses']:.0f} misses ({f['looked_up']:.0f} given a prompt-lookup chain), {f['waits']:.0f} "
+                     f"waits ({f['late']:.0f} late); round trip {1e3 * f['round_trip_seconds']:.2f} ms, background "
+                     f"thread {f['sender_cpu_seconds']:.2f} s CPU")
     if res.reuse:
         r = res.reuse
         lines.append(f"  draft reuse: {r['reused_steps']:.0f} of {r['steps']:.0f} steps "
@@ -211,7 +218,8 @@ def format_result(res: WorkloadResult) -> str:
 def result_json(res: WorkloadResult, **extra: object) -> dict[str, Any]:
     """One workload for ``--json``: ``extra`` (machine, device, dtype), every run, the breakdown per engine method
     and transformers' fastest greedy."""
-    return {"dataset": res.dataset, **extra, "reuse": res.reuse, "cache_hits": res.cache_hits,
+    return {"dataset": res.dataset, **extra, "reuse": res.reuse, "prespeculation": res.prespeculation,
+            "cache_hits": res.cache_hits,
             "hf_static": res.hf_static, "fastest_hf": fastest_hf(res),
             "breakdown": {m: breakdown(res.of(m)) for m in res.methods() if is_engine_method(m)},
             "runs": [asdict(x) for x in res.runs]}
