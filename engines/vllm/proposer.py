@@ -28,7 +28,8 @@ from engines.vllm.request_tracker import RequestTracker, StepFigures
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DrafterProposer", "ProposerSettings", "FIXED_MIN_PROB", "drafting_rank", "stop_tokens"]
+__all__ = ["DrafterProposer", "ProposerSettings", "FIXED_MIN_PROB", "SUPPORTED_VLLM", "check_vllm", "drafting_rank",
+           "stop_tokens"]
 
 _D = TypeVar("_D")
 
@@ -44,6 +45,40 @@ def _env_float(env: Mapping[str, str], name: str, default: _D) -> float | _D:
 
 #: How many times ``ProposerSettings.timeout`` the background DraftBatch may take (a step waits at most the timeout).
 BACKGROUND_DEADLINE = 10
+
+#: vLLM releases (major, minor) whose ``custom_class`` interface the proposer follows: the V1 model runner's call
+#: ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)``, its ``input_batch``
+#: (``req_ids``, ``num_prompt_tokens``) and ``requests`` (``sampling_params``). 0.33 kept 0.32's.
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+
+
+def check_vllm(version: str | None, uses_v2_runner: bool = False) -> str:
+    """Refuse a vLLM the proposer cannot serve; return a warning for one it was not checked against ("" if none).
+
+    Args:
+        version: ``vllm.__version__`` (None: unknown, e.g. a stand-in runner).
+        uses_v2_runner: vLLM runs its Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``), which has no
+            ``custom_class`` proposers.
+
+    Raises:
+        ValueError: a release before 0.32 (no ``custom_class`` interface of this shape), or Model Runner V2.
+    """
+    if uses_v2_runner:
+        raise ValueError("drafter's proposer needs vLLM's V1 model runner: unset VLLM_USE_V2_MODEL_RUNNER (vLLM picks "
+                         "the V1 runner for custom_class proposers by itself)")
+    if version is None:
+        return ""
+    parts = version.split("+")[0].split(".")
+    try:
+        release = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return f"drafter's proposer was checked against vLLM 0.32 and 0.33; this vLLM says it is {version!r}"
+    if release < SUPPORTED_VLLM[0]:
+        raise ValueError(f"drafter's proposer needs vLLM 0.32 or 0.33 (custom_class proposers), not {version}")
+    if release not in SUPPORTED_VLLM:
+        return (f"drafter's proposer follows vLLM 0.32 and 0.33's custom_class interface; vLLM {version} may "
+                "differ (drafts stop, with an error in this log, if its model runner changed)")
+    return ""
 
 #: The chain cut without the cost-aware budget: a token must be expected to be accepted this often.
 FIXED_MIN_PROB = 0.05
@@ -174,6 +209,10 @@ class DrafterProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         self.settings = ProposerSettings.from_env()
+        note = check_vllm(getattr(sys.modules.get("vllm"), "__version__", None),
+                          bool(getattr(vllm_config, "use_v2_model_runner", False)))
+        if note:
+            logger.warning("%s", note)
         self.drafts = drafting_rank(vllm_config)
         self._runner: Any = None
         self._lock = threading.Lock()
@@ -242,7 +281,7 @@ class DrafterProposer:
             self._runner = runner
         elif self._runner is None:
             logger.error("drafter: the caller is not a vLLM model runner holding this proposer; no drafts (the "
-                         "proposer follows vLLM 0.32's runner)")
+                         "proposer follows the V1 model runner of vLLM 0.32 and 0.33)")
 
     def _connect(self) -> None:
         if self._tracker is not None:

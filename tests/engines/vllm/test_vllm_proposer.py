@@ -17,7 +17,14 @@ from drafter_service.core.config import DrafterConfig
 from drafter_service.rpc.server import create_server
 from drafter_service.service.config import ServiceConfig
 from engine_client import DrafterClient
-from engines.vllm import FIXED_MIN_PROB, DrafterProposer, ProposerSettings, drafting_rank, stop_tokens
+from engines.vllm import (
+    FIXED_MIN_PROB,
+    DrafterProposer,
+    ProposerSettings,
+    check_vllm,
+    drafting_rank,
+    stop_tokens,
+)
 
 VOCAB = 300
 MAX_LEN = 256
@@ -397,3 +404,21 @@ def test_by_default_chains_come_from_trees_drafted_one_step_ahead(service, monke
     assert drafts[-1] == output[12:12 + K]
     assert figures.prespec_hits >= 10  # every step but the first ones: cut from the tree that was already there
     assert figures.late_answers == 0
+
+
+def test_the_vllm_releases_it_follows_are_served_older_ones_refused_newer_ones_warned_about():
+    for version in ("0.32.0", "0.32.0+cpu", "0.33.0", "0.33.1.dev12+gabc", None):
+        assert check_vllm(version) == "", version
+    assert "0.34.0" in check_vllm("0.34.0") and "may differ" in check_vllm("0.34.0")
+    assert "checked against" in check_vllm("nightly")
+    with pytest.raises(ValueError, match="0.32 or 0.33"):
+        check_vllm("0.31.2")
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER"):
+        check_vllm("0.33.0", uses_v2_runner=True)
+
+
+def test_a_proposer_built_under_model_runner_v2_refuses_at_start():
+    config = vllm_config()
+    config.use_v2_model_runner = True
+    with pytest.raises(ValueError, match="V1 model runner"):
+        DrafterProposer(config)
