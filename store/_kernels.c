@@ -1137,6 +1137,7 @@ static int64_t pick_recent(const Seg *const *segs, int nsegs, Py_ssize_t total, 
 typedef struct {
     PyObject_HEAD
     int64_t start, end;   /* positions covered */
+    int64_t window;       /* most unindexed tokens searched per lookup (the newest ones) */
     uint64_t *keys;       /* (slots,) open addressing: a token (< 2**31), or PAIR_BIT | first << 31 | second */
     int32_t *ids;         /* (slots,) list of each key, -1 for an empty slot */
     Py_ssize_t slots, used;
@@ -1146,6 +1147,13 @@ typedef struct {
 
 #define PAIR_BIT ((uint64_t)1 << 63)
 #define TAIL_SLACK 65536 /* stale positions tolerated before the lists are rebuilt from the scan's start */
+/* Most unindexed tokens a store lookup searches: the newest TAIL_WINDOW after the indexes (a Tail's ``window``
+ * when one is given). What lies between the indexes' end and that window is not drafted from until a rebuild
+ * indexes it, so a lookup never indexes or scans more than this many tokens however far indexing lags. */
+#define TAIL_WINDOW 131072
+/* Most unindexed tokens searched through a Tail's occurrence lists: a larger stretch (indexing lagging behind an
+ * ingest) is scanned instead, since bringing the lists up to date costs more per token than a scan. */
+#define TAIL_LISTS 16384
 
 static inline uint64_t tail_hash(uint64_t k) {
     k ^= k >> 33;
@@ -1225,7 +1233,8 @@ static void tail_rebase(TailObject *T, int64_t from) {
 }
 
 /* Covers [from, stop) of the ring (from >= oldest): indexes what arrived since the last call, or starts over
- * from ``from`` when the lists have a gap or hold mostly positions before it. */
+ * from ``from`` when the lists have a gap or hold mostly positions before it. Either way it indexes at most
+ * stop - from tokens (the lookups keep that within the window). */
 static int tail_sync(TailObject *T, const Ring *r, int64_t oldest, int64_t from, int64_t stop) {
     if (from < T->start || T->end < from || T->end < oldest || from - T->start > T->end - from + TAIL_SLACK)
         tail_rebase(T, from);
@@ -1303,23 +1312,39 @@ static PyObject *tail_nbytes(TailObject *T, void *closure) {
 
 static PyObject *tail_start(TailObject *T, void *closure) { return PyLong_FromLongLong(T->start); }
 static PyObject *tail_end(TailObject *T, void *closure) { return PyLong_FromLongLong(T->end); }
+static PyObject *tail_window(TailObject *T, void *closure) { return PyLong_FromLongLong(T->window); }
 
 static PyGetSetDef tail_getset[] = {
     {"nbytes", (getter)tail_nbytes, NULL, "Memory held by the lists.", NULL},
     {"start", (getter)tail_start, NULL, "First position covered.", NULL},
     {"end", (getter)tail_end, NULL, "One past the last position covered.", NULL},
+    {"window", (getter)tail_window, NULL, "Most unindexed tokens (the newest) a lookup searches.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
+
+static PyObject *tail_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"window", NULL};
+    long long window = TAIL_WINDOW;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|L", names, &window)) return NULL;
+    if (window < 1) {
+        PyErr_SetString(PyExc_ValueError, "the tail window must be at least 1 token");
+        return NULL;
+    }
+    TailObject *T = (TailObject *)type->tp_alloc(type, 0);
+    if (T != NULL) T->window = (int64_t)window;
+    return (PyObject *)T;
+}
 
 static PyTypeObject TailType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "store._kernels.Tail",
     .tp_basicsize = sizeof(TailObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = PyDoc_STR("Tail(): where each token and pair of tokens occurs in a store's unindexed tail, kept up "
-                        "to date by the store lookups given it (same answers as scanning the tail)."),
+    .tp_doc = PyDoc_STR("Tail(window=TAIL_WINDOW): where each token and pair of tokens occurs in a store's unindexed "
+                        "tail, kept up to date by the store lookups given it (same answers as scanning the tail); "
+                        "the lookups search only the newest ``window`` unindexed tokens."),
     .tp_getset = tail_getset,
-    .tp_new = PyType_GenericNew,
+    .tp_new = tail_new,
     .tp_dealloc = (destructor)tail_dealloc,
 };
 
@@ -1420,7 +1445,9 @@ static int store_core(Lookup *L, Py_ssize_t clen, const Ring *r, int64_t oldest,
     Seg *segs = L->segs;
     for (int i = 0; i < 3; i++) seg_reset(&segs[i], cv + (i + 1) * clen); /* tail, delta, main */
     int64_t idx_end = delta ? delta->end : (main_ix ? main_ix->end : 0), from = idx_end > oldest ? idx_end : oldest;
-    if (tail && from < stop) {
+    int64_t window = tail ? tail->window : TAIL_WINDOW;
+    if (stop - from > window) from = stop - window; /* bounded work: only the newest unindexed tokens */
+    if (tail && from < stop && stop - from <= TAIL_LISTS) {
         if (tail_sync(tail, r, oldest, from, stop) < 0 ||
             tail_core(tail, r, from, stop, cv, clen, clen, oldest, &segs[0], &L->lens) < 0)
             return -1;
@@ -1518,7 +1545,8 @@ PyDoc_STRVAR(store_lookup_doc,
 "store_lookup(context, ring_data, oldest, stop, delta, main, max_match, max_occurrences, depth, "
 "max_candidates, max_examined, tail=None) -> (m, counts, rows) | None | NotImplemented\n\n"
 "Native TokenStore.lookup: None when nothing matched; delta and main are Index handles or None; tail, a Tail\n"
-"(brought up to date first) that answers for the unindexed tokens instead of a scan.");
+"(brought up to date first) that answers for the unindexed tokens instead of a scan. Only the newest unindexed\n"
+"tokens are searched: the Tail's window of them, or TAIL_WINDOW without one.");
 
 static PyObject *py_store_lookup(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 11 && nargs != 12) return not_implemented();
@@ -1735,6 +1763,11 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     Py_INCREF(&TailType);
     if (PyModule_AddObject(m, "Tail", (PyObject *)&TailType) < 0) {
         Py_DECREF(&TailType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "TAIL_WINDOW", TAIL_WINDOW) < 0 ||
+        PyModule_AddIntConstant(m, "TAIL_LISTS", TAIL_LISTS) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -10,6 +10,9 @@ import numpy as np
 
 _Matches = tuple[int, np.ndarray, np.ndarray]
 
+TAIL_WINDOW: int
+"""Most unindexed tokens (the newest) a store lookup searches when no Tail is given."""
+
 @final
 class Index:
     """A suffix index's arrays held for native matching (keeps them alive)."""
@@ -23,8 +26,13 @@ class Index:
 @final
 class Tail:
     """Where each token and pair of tokens occurs in a store's unindexed tail, kept up to date by the store
-    lookups given it (their answers are those of scanning the tail)."""
+    lookups given it (their answers are those of scanning the tail); they search only the newest ``window``
+    unindexed tokens."""
 
+    def __init__(self, window: int = ...) -> None: ...
+    @property
+    def window(self) -> int:
+        """Most unindexed tokens (the newest) a lookup given this Tail searches."""
     @property
     def nbytes(self) -> int:
         """Memory held by the occurrence lists."""

@@ -13,6 +13,11 @@ logger = logging.getLogger(__name__)
 CHUNK = 8
 """Tokens compared per vectorised step when extending matches."""
 
+TAIL_WINDOW = 1 << 17
+"""Most unindexed tokens a store lookup searches: the newest ones after the suffix indexes (``_kernels.TAIL_WINDOW``
+is the same bound). Tokens between the indexes' end and this window are not drafted from until a rebuild indexes
+them, so a lookup takes bounded time however far indexing lags behind an ingest."""
+
 try:
     from store import _kernels
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from store import match_kernels
-from store.match_kernels import continuations, scan_matches
+from store.match_kernels import TAIL_WINDOW, continuations, scan_matches
 from store.ring_buffer import RingBuffer
 from store.suffix_index import SuffixIndex
 
@@ -74,10 +74,15 @@ class TokenStore:
     keep occurrence lists of them instead, brought up to date on each lookup: ``_kernels.Tail``). All
     three are searched on every lookup, so a request ingested a moment ago already helps. Rebuilds run
     wherever the caller runs ``rebuild`` (a background job) and are swapped in atomically.
+
+    A lookup searches only the newest ``tail_window`` unindexed tokens: when indexing lags far behind (a large
+    ingest), the tokens between the indexes' end and that window are not drafted from until the rebuild that
+    ``rebuild_due`` asks for covers them, and no lookup ever scans or indexes more than the window.
     """
 
     def __init__(self, capacity: int = 32 * 1024 * 1024, tail_tokens: int = 8192,
-                 delta_fraction: float = 0.25, max_candidates: int = 4096, max_examined: int = 1024) -> None:
+                 delta_fraction: float = 0.25, max_candidates: int = 4096, max_examined: int = 1024,
+                 tail_window: int = TAIL_WINDOW) -> None:
         """Create an empty store.
 
         Args:
@@ -87,9 +92,13 @@ class TokenStore:
                 still lists but the ring overwrote exceeds this share of it.
             max_candidates: occurrences per index examined when extending a match past one key.
             max_examined: occurrences of the longest match gathered before picking the most recent.
+            tail_window: most unindexed tokens (the newest) a lookup searches.
         """
+        if tail_window < 1:
+            raise ValueError(f"tail_window must be at least 1, got {tail_window}")
         self.ring = RingBuffer(capacity)
         self.tail_tokens = int(tail_tokens)
+        self.tail_window = int(tail_window)
         self.delta_fraction = float(delta_fraction)
         self.max_candidates = int(max_candidates)
         self.max_examined = int(max_examined)
@@ -97,7 +106,7 @@ class TokenStore:
         self._rebuild_lock = threading.Lock()
         self.builder: Callable[[np.ndarray], tuple] | None = None  # e.g. IndexWorker.build_arrays
         # where tokens and token pairs occur after the indexes, brought up to date by the native lookups
-        self._tail = match_kernels.compiled.Tail() if match_kernels.compiled is not None else None
+        self._tail = match_kernels.compiled.Tail(self.tail_window) if match_kernels.compiled is not None else None
 
     def _index(self, tokens: np.ndarray, start: int) -> SuffixIndex:
         arrays = self.builder(tokens) if self.builder is not None else None
@@ -118,8 +127,13 @@ class TokenStore:
 
     @property
     def unindexed(self) -> int:
-        """Tokens after the last index, searched by scanning."""
+        """Tokens after the last index (lookups search the newest ``tail_window`` of them)."""
         return self.ring.end - self.indexed_end
+
+    @property
+    def searched_from(self) -> int:
+        """Absolute position of the oldest unindexed token lookups search (the tail window's start)."""
+        return max(self.indexed_end, self.ring.end - self.tail_window)
 
     def rebuild_due(self) -> str | None:
         """Which rebuild is worth running now: "main", "delta" or None.
@@ -210,7 +224,7 @@ class TokenStore:
         data = ring.view()
         oldest, stop = ring.oldest, ring.end
         idx = self._indexes
-        found = [scan_matches(data, max(idx.end, oldest), stop, ctx_rev, ctx.size, oldest)]
+        found = [scan_matches(data, max(idx.end, oldest, stop - self.tail_window), stop, ctx_rev, ctx.size, oldest)]
         for seg in (idx.delta, idx.main):
             if seg is not None:
                 found.append(seg.match(ctx_rev, data, oldest, ctx.size, self.max_candidates))

@@ -98,7 +98,8 @@ def stores(draw: st.DrawFn, max_docs: int = 24, max_capacity: int = 160) -> tupl
     wide = draw(st.sampled_from(WIDE))
     alphabet = list(range(vocab)) + ([wide] if wide is not None else [])
     store = TokenStore(capacity=draw(st.integers(4, max_capacity)), tail_tokens=draw(st.integers(1, 40)),
-                       max_candidates=draw(st.integers(1, 6)), max_examined=draw(st.integers(1, 8)))
+                       max_candidates=draw(st.integers(1, 6)), max_examined=draw(st.integers(1, 8)),
+                       tail_window=draw(st.sampled_from([match_kernels.TAIL_WINDOW, 1, 3, 10, 30])))
     docs = draw(st.lists(st.lists(st.sampled_from(alphabet), max_size=24), max_size=max_docs))
     for doc in docs:
         store.append(doc)
@@ -446,21 +447,45 @@ def test_tail_lists_answer_as_the_scan_as_tokens_arrive(seed: int) -> None:
 
 
 def test_tail_lists_start_over_when_mostly_stale() -> None:
-    """After a rebuild swallows a long tail, the lists are rebuilt from the new tail instead of growing."""
+    """After rebuilds swallow what the lists cover, they are rebuilt from the new tail instead of growing."""
     rng = np.random.default_rng(3)
-    store = TokenStore(capacity=1 << 18, tail_tokens=1 << 30)
+    store = TokenStore(capacity=1 << 19, tail_tokens=1 << 30)
     _fill(store, rng, 20, 4)
     store.rebuild("main")
-    while store.unindexed < 100_000:
-        store.append(rng.integers(0, 50, 1000))
-    ctx = store.ring.read(store.ring.end - 6, store.ring.end - 1)
-    first = store.lookup(ctx, 8, 8, 4)
     tail = store._tail
-    assert tail is not None and tail.end - tail.start >= 100_000
-    store.rebuild("delta")
-    store.append(rng.integers(0, 50, 300))
-    got = store.lookup(ctx, 8, 8, 4)
-    assert tail.start == store.indexed_end and tail.end == store.ring.end
-    with numpy_only():
-        assert_same(got, store.lookup(ctx, 8, 8, 4))
-    assert first.match_len >= 1
+    assert tail is not None
+    covered = []
+    for _ in range(12):  # each round: a tail the lists answer for, then a delta rebuild that indexes it
+        while store.unindexed < KERNELS.TAIL_LISTS - 1000:
+            store.append(rng.integers(0, 50, 900))
+        ctx = store.ring.read(store.ring.end - 6, store.ring.end - 1)
+        got = store.lookup(ctx, 8, 8, 4)
+        with numpy_only():
+            assert_same(got, store.lookup(ctx, 8, 8, 4))
+        assert tail.end == store.ring.end and tail.start <= store.indexed_end
+        covered.append(tail.end - tail.start)
+        store.rebuild("delta")
+    assert max(covered) <= KERNELS.TAIL_LISTS + 65536 + 1000  # stale positions are bounded
+    assert covered[-1] < max(covered)  # ... and dropped: the lists started over
+
+
+def test_a_tail_longer_than_the_lists_take_is_scanned_with_the_same_answers() -> None:
+    rng = np.random.default_rng(4)
+    store = TokenStore(capacity=1 << 19, tail_tokens=1 << 30)
+    _fill(store, rng, 20, 4)
+    store.rebuild("main")
+    while store.unindexed <= KERNELS.TAIL_LISTS:
+        store.append(rng.integers(0, 50, 900))
+    tail = store._tail
+    assert tail is not None
+    for _ in range(20):
+        held = store.ring.read(store.ring.oldest, store.ring.end)
+        cut = int(rng.integers(2, held.size))
+        ctx = held[max(0, cut - 6):cut]
+        ctx = ctx[ctx >= 0]
+        if not ctx.size:
+            continue
+        got = store.lookup(ctx, 8, 8, 4)
+        with numpy_only():
+            assert_same(got, store.lookup(ctx, 8, 8, 4))
+    assert tail.end == tail.start == 0  # scanned: the lists were never brought up to date
