@@ -10,6 +10,7 @@ import sys
 import threading
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
 
 import numpy as np
 
@@ -67,6 +68,20 @@ def _adopt(name: str, size: int) -> mmap.mmap | bytes:
         shm.unlink()
 
 
+CODE_ROOT = str(Path(__file__).resolve().parent.parent)
+"""The folder that holds this ``store`` package: the worker imports its code from there."""
+
+# ``python -m store.index_worker`` (or ``-c``) puts the working directory first on sys.path, so a service started in
+# another checkout's folder would run that checkout's worker. The worker's first path entry is this package's own
+# folder instead, wherever the service was started.
+_WORKER_MAIN = "import sys; sys.path[0] = sys.argv[1]; from store.index_worker import _serve; _serve()"
+
+
+def worker_command() -> list[str]:
+    """The command line of the builder process: this interpreter running this installation's ``store``."""
+    return [sys.executable, "-c", _WORKER_MAIN, CODE_ROOT]
+
+
 class IndexWorker:
     """A long-lived child process (a fresh interpreter: the parent runs gRPC threads) that builds indexes."""
 
@@ -76,8 +91,8 @@ class IndexWorker:
 
     def _ensure(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen([sys.executable, "-m", "store.index_worker"], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, text=True, bufsize=1)
+            self._proc = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                          bufsize=1)
         return self._proc
 
     def build_arrays(self, snapshot: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:

@@ -1,9 +1,14 @@
 """Suffix index builds in a child process give exactly the in-process result."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from store.index_worker import IndexWorker
+import store
+from store.index_worker import IndexWorker, worker_command
 from store.suffix_index import build_arrays
 from store.token_store import TokenStore
 
@@ -46,3 +51,27 @@ def test_a_dead_child_is_replaced_or_the_build_happens_here(worker):
     got = worker.build_arrays(snap)  # the dead child fails this call; the result is built in-process
     assert np.array_equal(got[0], build_arrays(snap)[0])
     assert np.array_equal(worker.build_arrays(snap)[0], build_arrays(snap)[0])  # a new child serves again
+
+
+def test_the_child_runs_this_installation_wherever_the_process_was_started(tmp_path):
+    """A process started in a folder that holds another ``store`` package (another checkout) still gets its own
+    worker: ``python -m store.index_worker`` would have imported the folder's."""
+    fake = tmp_path / "other-checkout"
+    (fake / "store").mkdir(parents=True)
+    (fake / "store" / "__init__.py").write_text("")
+    (fake / "store" / "index_worker.py").write_text(
+        "import pathlib\npathlib.Path('FAKE_WORKER_RAN').write_text('x')\nraise SystemExit('the wrong worker')\n")
+    script = tmp_path / "build.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from store.index_worker import IndexWorker\n"
+        "w = IndexWorker()\n"
+        "sa, keys, bits, per_key = w.build_arrays(np.array([3, 1, 2, -1, 1, 2, -1], dtype=np.int32))\n"
+        "assert w._proc is not None and w._proc.poll() is None, 'the child died'\n"
+        "print('sa', sa.tolist())\n"
+        "w.close()\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=fake, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "failed" not in done.stderr and not (fake / "FAKE_WORKER_RAN").exists()
+    assert done.stdout.split("\n")[0] == f"sa {build_arrays(np.array([3, 1, 2, -1, 1, 2, -1], np.int32))[0].tolist()}"
+    assert worker_command()[-1] == str(Path(store.__file__).resolve().parent.parent)
