@@ -209,10 +209,11 @@ class ReferenceEngine:
                     tree = EMPTY_TREE
                     pending += since_last
                 else:
+                    # the whole tree, cut here: the budget's per-bin calibration knows what the engine accepts better
+                    # than a cut by the service (whose power-law fit left 1-2 nodes where 4-16 paid), and a deep
+                    # tree lets the source serve the next steps from it
                     tree = source.draft(session, pending + since_last, self.max_nodes, step_seconds=step_seconds,
-                                        plain_step_seconds=curve.plain_seconds(),
-                                        verify_cost=curve.points() if self.adaptive else (),
-                                        estimate_exponent=self.budget.calibration.gamma if self.adaptive else 0.0)
+                                        plain_step_seconds=curve.plain_seconds())
                     pending = []
                     tree = self._choose(tree, runner)
                     check_parents(tree.parents)
