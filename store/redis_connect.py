@@ -11,7 +11,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.retry import Retry
-from redis.sentinel import Sentinel, SentinelConnectionPool
+from redis.sentinel import SentinelConnectionPool
+
+from store.sentinel_master import PromptSentinel
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +31,8 @@ URL_FORMS = ("redis://[[USER]:PASSWORD@]HOST[:PORT][/DB], rediss://... (TLS) or 
 SINGLE, SENTINEL, CLUSTER = "single", "sentinel", "cluster"
 DEFAULT_PORTS = {SENTINEL: 26379, CLUSTER: 6379}
 
-# The same timeouts for every kind of client: connecting is quick or failing; a blocking read (XREAD) and a
-# WAITAOF wait stay well inside the socket timeout.
+# The same timeouts for every kind of client: connecting is quick or failing; a blocking read (XREAD) stays well
+# inside the socket timeout. ``connect(url, timeout_s=...)`` gives a client whose every wait is short instead.
 CLIENT_OPTIONS: dict[str, float | int | bool] = {"decode_responses": False, "socket_connect_timeout": 5,
                                                  "socket_timeout": 60, "health_check_interval": 30}
 SENTINEL_OPTIONS: dict[str, float] = {"socket_connect_timeout": 5, "socket_timeout": 5}
@@ -140,13 +142,37 @@ def parse_redis_url(url: str) -> RedisTarget:
                        username=username, password=password, sentinel_password=sentinel_password)
 
 
-def connect(url: str) -> RedisClient:
+def client_options(timeout_s: float | None = None) -> tuple[dict, dict]:
+    """The options of a client's data-node connections and of its sentinel connections.
+
+    Args:
+        timeout_s: None for ``CLIENT_OPTIONS`` and ``SENTINEL_OPTIONS``; else the longest wait for a reply, with
+            half of it to connect and a quarter for each sentinel asked where the primary is (sentinels that
+            answer at all answer in milliseconds; one that does not is passed over for the next).
+    """
+    if timeout_s is None:
+        return dict(CLIENT_OPTIONS), dict(SENTINEL_OPTIONS)
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    ask = min(SENTINEL_OPTIONS["socket_timeout"], timeout_s / 4)
+    return ({**CLIENT_OPTIONS, "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s / 2},
+            {"socket_connect_timeout": ask, "socket_timeout": ask})
+
+
+def connect(url: str, timeout_s: float | None = None) -> RedisClient:
     """A redis-py client for ``url`` (see ``URL_FORMS``) that never decodes responses.
 
     ``redis://``, ``rediss://`` and ``unix://`` give ``redis.Redis.from_url``; ``redis+sentinel://`` gives
-    ``Sentinel(...).master_for(MASTER)``, whose connections follow the primary through failovers;
-    ``redis+cluster://`` gives ``RedisCluster``, which routes each key to the node that holds its slot and
-    connects now, to read the slot table.
+    ``PromptSentinel(...).master_for(MASTER)``, whose connections follow the primary through failovers (each new
+    connection asks the sentinels where it is; one that fails or gets a READONLY reply is closed, so the next
+    command asks again); ``redis+cluster://`` gives ``RedisCluster``, which routes each key to the node that holds
+    its slot and connects now, to read the slot table.
+
+    Args:
+        url: the Redis URL.
+        timeout_s: None for the usual timeouts (a reply may take up to 60 s: blocking reads); else the longest a
+            command waits for its reply, and about the longest a connection with master discovery takes
+            (``client_options``).
 
     Raises:
         ValueError: a URL of no accepted form.
@@ -154,16 +180,17 @@ def connect(url: str) -> RedisClient:
     """
     target = parse_redis_url(url)
     auth = {"username": target.username, "password": target.password}
+    options, sentinel_options = client_options(timeout_s)
     if target.kind == SINGLE:
-        return redis.Redis.from_url(url, **CLIENT_OPTIONS)
+        return redis.Redis.from_url(url, **options)
     if target.kind == SENTINEL:
-        sentinel_kwargs: dict[str, object] = {**SENTINEL_OPTIONS, "retry": Retry(NoBackoff(), 0)}
+        sentinel_kwargs: dict[str, object] = {**sentinel_options, "retry": Retry(NoBackoff(), 0)}
         if target.sentinel_password is not None:
             sentinel_kwargs["password"] = target.sentinel_password
-        sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)
-        return sentinel.master_for(target.master, db=target.db, **auth, **CLIENT_OPTIONS)
+        sentinel = PromptSentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)
+        return sentinel.master_for(target.master, db=target.db, **auth, **options)
     return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
-                        **auth, **CLIENT_OPTIONS)  # type: ignore[arg-type]
+                        **auth, **options)  # type: ignore[arg-type]
 
 
 def node_client(client: RedisClient, key: str) -> redis.Redis:

@@ -2,19 +2,21 @@
 
 import pytest
 import redis
-from redis.sentinel import SentinelConnectionPool
+from redis.sentinel import MasterNotFoundError, SentinelConnectionPool
 
 from store.redis_connect import (
     CLUSTER,
     SENTINEL,
     SINGLE,
     RedisTarget,
+    client_options,
     connect,
     node_client,
     parse_redis_url,
     redact,
     server_name,
 )
+from store.sentinel_master import PromptSentinel
 
 
 @pytest.mark.parametrize("url", ["redis://localhost:6379/0", "rediss://:pw@cache.example:6380/2",
@@ -90,3 +92,64 @@ def test_connect_gives_a_plain_client_or_a_sentinel_managed_one_without_connecti
     assert [(s.get_connection_kwargs()["host"], s.get_connection_kwargs()["port"])
             for s in pool.sentinel_manager.sentinels] == [("127.0.0.1", 1), ("127.0.0.1", 2)]
     assert server_name(managed, "any") == ""  # no sentinel answers there
+
+
+def test_a_client_with_a_timeout_bounds_every_wait_and_asks_sentinels_briefly():
+    quick = connect("redis+sentinel://127.0.0.1:1,127.0.0.1:2/primary", timeout_s=1.0)
+    kwargs = quick.get_connection_kwargs()
+    assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (1.0, 0.5)
+    manager = quick.connection_pool.sentinel_manager
+    assert isinstance(manager, PromptSentinel)
+    assert {s.get_connection_kwargs()["socket_timeout"] for s in manager.sentinels} == {0.25}
+    single = connect("redis://127.0.0.1:1/0", timeout_s=0.4).get_connection_kwargs()
+    assert (single["socket_timeout"], single["socket_connect_timeout"]) == (0.4, 0.2)
+    assert client_options()[0]["socket_timeout"] == 60
+    with pytest.raises(ValueError, match="positive"):
+        client_options(0)
+
+
+class FakeSentinel:
+    """Answers GET-MASTER-ADDR-BY-NAME and SENTINEL MASTER (in one pipeline) as a sentinel would, or fails."""
+
+    def __init__(self, given, state):
+        self.given, self.state = given, state
+
+    def pipeline(self, transaction=False):
+        return self
+
+    def execute_command(self, *args):
+        return self
+
+    def execute(self):
+        if isinstance(self.state, Exception):
+            raise self.state
+        return [self.given, self.state]
+
+
+def state(port, *flags):
+    names = {"master", *flags}
+    return {"ip": "10.0.0.1", "port": port, "is_master": True, "is_sdown": "s_down" in names,
+            "is_odown": "o_down" in names, "num-other-sentinels": 2, "flags": names}
+
+
+def discover(*sentinels):
+    manager = PromptSentinel([])
+    manager.sentinels = list(sentinels)
+    return manager.discover_master("primary"), manager
+
+
+def test_a_promoted_replica_is_found_from_the_sentinel_leading_the_failover():
+    down = FakeSentinel((b"10.0.0.1", b"7000"), state(7000, "s_down", "o_down"))
+    leader = FakeSentinel((b"10.0.0.2", b"7001"), state(7000, "s_down", "o_down", "failover_in_progress"))
+    address, manager = discover(down, leader)
+    assert address == ("10.0.0.2", 7001)
+    assert manager.sentinels[0] is leader  # asked first next time
+
+
+def test_an_up_master_is_taken_and_a_down_one_passed_over():
+    refused = FakeSentinel(None, redis.ConnectionError("refused"))
+    up = FakeSentinel((b"10.0.0.1", b"7000"), state(7000))
+    assert discover(refused, up)[0] == ("10.0.0.1", 7000)
+    down = FakeSentinel((b"10.0.0.1", b"7000"), state(7000, "s_down"))
+    with pytest.raises(MasterNotFoundError, match="No master found for 'primary'.*refused"):
+        discover(refused, down)
