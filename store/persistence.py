@@ -30,7 +30,7 @@ from store.request_log import (
     duplicate_keys,
     record_from_entry,
 )
-from store.server_acks import ServerAcks
+from store.server_acks import ServerAcks, wait_budget_ms
 from store.snapshots import SnapshotStore
 
 if TYPE_CHECKING:
@@ -76,8 +76,8 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
     """
 
     def __init__(self, client_or_url: RedisClient | str, namespace: str, vocab_size: int | None = None,
-                 durable: bool = True, fsync_timeout_ms: int = 5000,
-                 metrics_history: int = METRICS_HISTORY, replica_acks: int = 0) -> None:
+                 durable: bool = True, fsync_timeout_ms: int | None = None,
+                 metrics_history: int = METRICS_HISTORY, replica_acks: int = 0, write_timeout_s: float = 1.0) -> None:
         """Connect and check (or record) the namespace's layout version and vocabulary size.
 
         Args:
@@ -86,10 +86,15 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
             namespace: the token space; validated like names.
             vocab_size: token ids must be below it; recorded at first use and checked after (None: neither).
             durable: require the server to fsync its append-only file before an append returns.
-            fsync_timeout_ms: how long an append waits for that fsync (and as long again for the replicas).
+            fsync_timeout_ms: how long an append waits for that fsync (and as long again for the replicas); None:
+                ``wait_budget_ms(write_timeout_s, replica_acks)``, so that both waits fit in ``write_timeout_s``.
             metrics_history: metric points kept (approximately: trimmed a little above it).
             replica_acks: replicas that must have received an append before it returns (WAIT), so that it
-                survives a failover to one of them; ``ping`` is False while fewer are connected.
+                survives a failover to one of them; ``ping`` is False, and appends fail at once, while fewer
+                are online.
+            write_timeout_s: with a URL, the longest an append, a health check or a read made under a namespace's
+                write lock waits for a reply (they use a client of their own, ``quick_client``, with this socket
+                timeout); other commands (restore, snapshots, blocking reads) keep the usual long timeouts.
 
         Raises:
             ValueError: a URL of no accepted form, or a client that decodes responses.
@@ -101,17 +106,21 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
         if replica_acks < 0:
             raise ValueError(f"replica_acks must be at least 0, got {replica_acks}")
         self.client: RedisClient
+        self.quick_client: RedisClient
         if isinstance(client_or_url, str):
             with _redis_errors("connect"):  # a cluster client reads the slot table now
                 self.client = connect(client_or_url)
+                self.quick_client = connect(client_or_url, timeout_s=write_timeout_s)
         else:
-            self.client = client_or_url
+            self.client = self.quick_client = client_or_url
             if self.client.get_connection_kwargs().get("decode_responses"):
                 raise ValueError("the Redis client must not decode responses (binary token blobs)")
         self.vocab_size = None if vocab_size is None else int(vocab_size)
         self.durable = bool(durable)
-        self.fsync_timeout_ms = int(fsync_timeout_ms)
         self.replica_acks = int(replica_acks)
+        self.fsync_timeout_ms = int(fsync_timeout_ms) if fsync_timeout_ms is not None else \
+            wait_budget_ms(write_timeout_s, self.replica_acks)
+        self._init_server_state()
         if metrics_history < 1:
             raise ValueError(f"metrics_history must be at least 1, got {metrics_history}")
         self.metrics_history = int(metrics_history)
@@ -292,9 +301,10 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
         return self.read_changes(after, None, block_ms, count)[0]
 
     def read_requests_range(self, after: str, until: str) -> list[RequestRecord]:
-        """Every request logged after stream id ``after`` and up to ``until`` (inclusive), oldest first."""
+        """Every request logged after stream id ``after`` and up to ``until`` (inclusive), oldest first (read with
+        the short timeout of ``quick_client``: this runs under the namespace's write lock)."""
         with _redis_errors("read requests"):
-            entries = cast("list[StreamEntry]", self.client.xrange(self.stream_key, f"({after}", until))
+            entries = cast("list[StreamEntry]", self.quick_client.xrange(self.stream_key, f"({after}", until))
         return [record_from_entry(sid, fields) for sid, fields in entries]
 
     def last_event_id(self) -> str:
@@ -332,9 +342,9 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
             return int(self.client.xlen(self.stream_key))
 
     def last_id(self) -> str:
-        """Stream id of the newest request ever appended ("0-0" when none), trimmed or not."""
+        """Stream id of the newest request ever appended ("0-0" when none), trimmed or not (short timeout)."""
         with _redis_errors("read the log position"):
-            end = self.client.hget(self.meta_key, "end")
+            end = self.quick_client.hget(self.meta_key, "end")
         return f"{int(end)}-0" if end else "0-0"
 
     def trim_requests(self, keep_tokens: int) -> int:

@@ -1,4 +1,4 @@
-"""Real Redis deployments for tests: a three-node Redis Cluster, and a primary with a replica and three sentinels.
+"""Real Redis deployments for tests: a three-node Redis Cluster, and a primary with replicas and three sentinels.
 
 Every server is a ``valkey-server`` child process (``store.embedded_redis``), so it dies with the test process
 even when that is killed; ``stop()`` ends them all at the end of a test.
@@ -112,26 +112,39 @@ class SentinelServer(EmbeddedRedis):
 
 
 class SentinelSet:
-    """A primary, one replica of it and three sentinels (quorum 2) on this machine.
+    """A primary, ``replicas`` replicas of it (one by default) and three sentinels (quorum 2) on this machine.
 
-    Both data nodes run append-only with ``appendfsync always``, as ``EmbeddedRedis`` does.
+    Every data node runs append-only with ``appendfsync always``, as ``EmbeddedRedis`` does. ``replica`` is the
+    first replica (None when there is none); ``replicas`` all of them.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, replicas: int = 1, down_after_ms: int = 1000) -> None:
         self.root = root
         self.sentinels: list[EmbeddedRedis] = []
         self.primary = EmbeddedRedis(root / "a", extra_args=REPLICATION_ARGS)
-        self.replica: EmbeddedRedis | None = None
+        self.replicas: list[EmbeddedRedis] = []
         try:
             self.primary.start()
-            self.replica = self.replica_of(self.primary, root / "b")
+            for i in range(replicas):
+                self.replicas.append(self.replica_of(self.primary, root / "bcdefgh"[i]))
             for i in range(3):
-                self.sentinels.append(SentinelServer(root / f"sentinel{i}", self.primary).start())
-            for sentinel in self.sentinels:  # each one has found the replica and the other two sentinels
-                wait_until(lambda s=sentinel: self._sentinel_sees_all(s), 30, f"sentinel {sentinel.url} to see the set")
+                self.sentinels.append(SentinelServer(root / f"sentinel{i}", self.primary,
+                                                     down_after_ms=down_after_ms).start())
+            for sentinel in self.sentinels:  # each one has found the replicas and the other two sentinels
+                wait_until(lambda s=sentinel: self._sentinel_sees_all(s, replicas), 30,
+                           f"sentinel {sentinel.url} to see the set")
         except BaseException:
             self.stop()
             raise
+
+    @property
+    def replica(self) -> EmbeddedRedis | None:
+        """The first replica (None without one)."""
+        return self.replicas[0] if self.replicas else None
+
+    @replica.setter
+    def replica(self, server: EmbeddedRedis | None) -> None:
+        self.replicas[:1] = [] if server is None else [server]
 
     @staticmethod
     def replica_of(primary: EmbeddedRedis, data_dir: Path, port: int = 0) -> EmbeddedRedis:
@@ -143,10 +156,10 @@ class SentinelSet:
         return replica
 
     @staticmethod
-    def _sentinel_sees_all(sentinel: EmbeddedRedis) -> bool:
+    def _sentinel_sees_all(sentinel: EmbeddedRedis, replicas: int) -> bool:
         state = plain(sentinel).execute_command("SENTINEL", "MASTER", MASTER)
         fields = dict(zip(state[::2], state[1::2], strict=True)) if isinstance(state, list) else state
-        return int(fields[b"num-slaves"]) >= 1 and int(fields[b"num-other-sentinels"]) >= 2
+        return int(fields[b"num-slaves"]) >= replicas and int(fields[b"num-other-sentinels"]) >= 2
 
     @property
     def url(self) -> str:
@@ -160,6 +173,5 @@ class SentinelSet:
 
     def stop(self) -> None:
         """Stop every server and sentinel this set started (SIGTERM, SIGKILL after a while)."""
-        for server in [*self.sentinels, self.replica, self.primary]:
-            if server is not None:
-                server.stop(timeout=5)
+        for server in [*self.sentinels, *self.replicas, self.primary]:
+            server.stop(timeout=5)
