@@ -19,6 +19,7 @@ from drafter_service.core.model_drafts import ModelDrafts
 from drafter_service.core.session import NOTHING_CONFIRMED, DraftSession
 from drafter_service.namespaces.durable_log import DurableLog
 from drafter_service.namespaces.frozen_tables import FrozenTables
+from drafter_service.namespaces.persistence_status import PersistenceStatus, persistence_status
 from drafter_service.namespaces.spooling import SpoolingLog
 from drafter_service.namespaces.stats import DraftCounters, NamespaceStats
 from store.request_log import Duplicates, SeenKeys
@@ -252,15 +253,13 @@ class Namespace:
         self.drafter.add_document(doc, prompt_len=prompt_len)
 
     def persistence_ok(self) -> bool:
-        """Whether Redis answers and no acknowledged request waits in the spool (else the namespace is degraded)."""
-        if self.persistence is None:
-            return True
-        if self.spool is not None and self.spool.holding:
-            return False
-        try:
-            return bool(self.persistence.ping())
-        except Exception:  # reported, not raised: stats must answer while Redis is down
-            return False
+        """Whether Redis answers (with enough replicas) and no acknowledged request waits in the spool (else the
+        namespace is degraded), as of the last health check."""
+        return self.persistence_status().healthy
+
+    def persistence_status(self) -> PersistenceStatus:
+        """Health, replicas, spooled requests and why degraded, as of the last health check (no wait on Redis)."""
+        return persistence_status(self.persistence, self.spool)
 
     def stats(self) -> NamespaceStats:
         """Figures for GetStats and the metrics."""
@@ -269,6 +268,7 @@ class Namespace:
         c = self.counters
         m = d.draft_model
         gate = d.model_gate.figures() if d.model_gate is not None and m is not None else None
+        status = self.persistence_status()
         return NamespaceStats(
             namespace=self.name, vocab_size=d.config.vocab_size, stored_tokens=s["tokens"],
             stored_requests=s["documents"], indexed_tokens=s["indexed_tokens"],
@@ -278,7 +278,7 @@ class Namespace:
             drafted_tokens=c.drafted_tokens, confirmed_tokens=c.confirmed_tokens,
             mean_accepted_length=c.mean_accepted_length,
             draft_latency_p50_us=c.percentile_us(50), draft_latency_p99_us=c.percentile_us(99),
-            persistence_healthy=self.persistence_ok(), reported_steps=c.reported_steps,
+            persistence_healthy=status.healthy, reported_steps=c.reported_steps,
             mean_step_ms=1e3 * c.step_seconds_total / c.reported_steps if c.reported_steps else 0.0,
             speedup_steps=c.speedup_steps, estimated_speedup=c.estimated_speedup,
             drafted_by_source=dict(c.drafted_by_source), confirmed_by_source=dict(c.confirmed_by_source),
@@ -286,7 +286,9 @@ class Namespace:
             draft_model_sessions=m.open_sessions if m is not None else 0,
             draft_model_steps=m.steps if m is not None else 0, draft_model_hits=m.hits if m is not None else 0,
             draft_model_verdict=gate.verdict if gate else "", draft_model_served=gate.serving if gate else False,
-            draft_model_ratio=gate.ratio if gate else 0.0,
+            draft_model_ratio=gate.ratio if gate else 0.0, spooled_requests=status.spooled_requests,
+            redis_replicas_connected=status.replicas_connected, redis_replica_acks=status.replica_acks,
+            persistence_detail=status.detail,
         )
 
 

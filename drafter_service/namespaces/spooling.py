@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +27,13 @@ class SpoolingLog:
 
     Every append carries this writer's sequence numbers, so Redis can tell a request it already holds from
     one it never saw (``RedisPersistence.append_requests``' writer mark). When an append fails (connection
-    refused, timeout, fsync not confirmed) the requests go to a spool file, fsynced before they are
-    acknowledged, with the sequence numbers of that attempt: if it did reach Redis after all, the drain leaves
-    them out. From then on every request goes to the spool, behind the ones already there, until ``drain``
-    (a background job) has moved them all to Redis in order; only then do appends go to Redis again, so the
-    log keeps the order of the ring buffer. A full spool refuses with UNAVAILABLE and changes nothing.
+    refused, timeout, fsync or replicas not confirmed, fewer replicas online than it needs; each within the
+    persistence's short write timeout) the requests go to a spool file, fsynced before they are acknowledged,
+    with the sequence numbers of that attempt: if it did reach Redis after all, the drain leaves them out. From
+    then on every request goes to the spool, behind the ones already there, without asking Redis, until
+    ``drain`` (the persistence health thread, woken by ``on_hold``) has moved them all to Redis in order; only
+    then do appends go to Redis again, so the log keeps the order of the ring buffer. A full spool refuses with
+    UNAVAILABLE and changes nothing.
 
     The spool file (``<folder>/<namespace>/<created ns>-<writer id>.spool``) is made at the first request it
     holds and locked while this process lives. At start, ``adopt_orphans`` drains the files of processes that
@@ -45,6 +47,8 @@ class SpoolingLog:
         writer_id: this process's writer name in Redis.
         store_id: the namespace's data set in Redis, written into spool files.
         redis_ok: False since an append or drain failed, until one succeeds again.
+        on_hold: called (under the write lock; it must not block) when an append Redis could not take goes to
+            the spool, so that whoever drains it starts trying at once.
     """
 
     def __init__(self, log: DurableLog, folder: Path | str, max_bytes: int) -> None:
@@ -58,6 +62,7 @@ class SpoolingLog:
         self.writer_id = new_id()
         self.store_id = self.persistence.store_id()
         self.redis_ok = True
+        self.on_hold: Callable[[], None] | None = None
         self._seq = 0  # the last sequence number given
         self._spool: Spool | None = None  # made at the first request held
         self._drained = HEADER_BYTES  # offset of the first spooled record Redis does not hold yet
@@ -110,6 +115,8 @@ class SpoolingLog:
                                    "under %s until it can", self.log.name, exc, self.folder)
                 self.redis_ok = False
                 cause: Exception = exc
+                if self.on_hold is not None:
+                    self.on_hold()
         else:
             cause = Unavailable("requests wait in the spool")
         return self._hold(docs, prompt_lens, skip_duplicates, first, cause), True

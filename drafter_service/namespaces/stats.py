@@ -181,3 +181,7 @@ class NamespaceStats:
     draft_model_verdict: str = ""
     draft_model_served: bool = False
     draft_model_ratio: float = 0.0
+    spooled_requests: int = 0
+    redis_replicas_connected: int = 0
+    redis_replica_acks: int = 0
+    persistence_detail: str = ""

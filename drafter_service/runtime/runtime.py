@@ -57,7 +57,8 @@ class Runtime:
             url = self.redis.url
             logger.info("embedded Redis on %s, data in %s", url, cfg.data_dir)
         self.service = DrafterService(cfg, lambda name, vocab: RedisPersistence(
-            url, name, vocab_size=vocab, metrics_history=cfg.metrics_history, replica_acks=cfg.redis_replica_acks))
+            url, name, vocab_size=vocab, metrics_history=cfg.metrics_history, replica_acks=cfg.redis_replica_acks,
+            write_timeout_s=cfg.redis_write_timeout_s))
         if cfg.rebuild_in_subprocess:
             self._worker = IndexWorker()
             for ns in self.service.namespaces.values():
@@ -71,7 +72,7 @@ class Runtime:
         if cfg.following:  # other replicas' requests and frozen tables, from where the restore ended
             self.followers = [LogFollower(ns.log, self.replica_id).start() for ns in self.service.namespaces.values()]
         servicer = health.HealthServicer()
-        self.persistence_health = PersistenceHealth(self.service, servicer)
+        self.persistence_health = PersistenceHealth(self.service, servicer, cfg.spool_drain_interval_s).start()
         self.server, self.port = create_server(cfg, cfg.address, self.service, servicer)
         self.rollup = MetricsRollup(self.service)
         if cfg.http_address:
@@ -87,8 +88,7 @@ class Runtime:
         self.warm = service_watch(self.service, cfg)
         self._scheduler = start_jobs(self.service, cfg.rebuild_interval_s, cfg.snapshot_interval_s,
                                      metrics=self.rollup.roll, metrics_interval_s=cfg.metrics_interval_s,
-                                     warm=self.warm, health=self.persistence_health.check,
-                                     health_interval_s=cfg.spool_drain_interval_s)
+                                     warm=self.warm)
         return self
 
     @property

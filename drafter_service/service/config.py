@@ -81,7 +81,10 @@ class ServiceConfig:
     redis_replica_acks: int = field(default=0, metadata=setting(
         "--redis-replica-acks", "replicas of the Redis primary that must have received each stored request (WAIT) "
         "before it is acknowledged, so that a failover to one of them (Sentinel, Cluster) loses none; while fewer "
-        "are connected, requests wait in the spool (0: the primary alone; needs --redis-url)", STORAGE))
+        "are online, requests wait in the spool (0: the primary alone; needs --redis-url)", STORAGE))
+    redis_write_timeout_s: float = field(default=1.0, metadata=setting(
+        "--redis-write-timeout", "the longest a stored request waits on Redis (to connect, for the append, its fsync "
+        "and its replicas together) before it goes to the spool and EndSession or Ingest answers", STORAGE))
     namespaces: tuple[NamespaceSpec, ...] = field(default=(), metadata=setting(
         "--namespaces", "extra namespaces as NAME=VOCAB_SIZE[,NAME=VOCAB_SIZE...] (the default namespace is added "
         "with --vocab-size when not listed)", DRAFTING, parse=parse_namespaces))
@@ -144,8 +147,9 @@ class ServiceConfig:
         "--spool-max-bytes", "bound on each namespace's spool file; beyond it requests are refused with "
         "UNAVAILABLE (0: no spool)", STORAGE))
     spool_drain_interval_s: float = field(default=1.0, metadata=setting(
-        "--spool-drain-interval", "seconds between attempts to move spooled requests to Redis (and persistence "
-        "health checks)", STORAGE))
+        "--spool-drain-interval", "seconds between persistence health checks while Redis takes requests; while it "
+        "does not, or requests wait in the spool, every 0.2 s at most, so the spool drains as soon as it does",
+        STORAGE))
     follow_log: str = field(default="auto", metadata=setting(
         "--follow-log", "on: follow the request logs and frozen-table changes other replicas write to the same "
         "Redis; off: only restore at start; auto: on with --redis-url", REPLICAS))
@@ -185,7 +189,7 @@ class ServiceConfig:
         if self.warm_dir and self.namespace(self.warm_namespace) is None:
             raise ValueError(f"warm_namespace {self.warm_namespace!r} is not declared")
         for name in ("rebuild_interval_s", "snapshot_interval_s", "metrics_interval_s", "warm_interval_s",
-                     "spool_drain_interval_s"):
+                     "spool_drain_interval_s", "redis_write_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         for name in ("max_message_bytes", "max_request_tokens", "max_ingest_requests", "max_nodes_limit",

@@ -77,7 +77,9 @@ class DashboardServer:
                             since (ms, exclusive, default 0), limit (newest points, default 20000),
                             max_points (merge runs of points down to this many; 0 keeps them all)
         /healthz            {"status": "ok" or "degraded", "persistence_healthy": {namespace: bool},
-                            "spooled_requests": {namespace: int}} (degraded: Redis away or requests spooled)
+                            "spooled_requests", "redis_replicas_connected", "redis_replica_acks": {namespace:
+                            int}, "persistence_detail": {namespace: why degraded}} (degraded: Redis away, too
+                            few replicas online, or requests spooled)
     Bad query parameters answer 400, an unknown namespace or path 404, other methods 405; always JSON.
 
     With ``auth`` requiring a token, every path but /healthz needs it (401 otherwise) as

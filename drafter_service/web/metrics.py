@@ -52,6 +52,10 @@ _GAUGES = (  # (stats key, metric name, help)
     ("spooled_requests", "drafter_spooled_requests", "Acknowledged requests held in the local spool until Redis "
      "takes them."),
     ("spooled_bytes", "drafter_spooled_bytes", "Bytes of the requests held in the local spool."),
+    ("redis_replicas_connected", "drafter_redis_replicas_connected",
+     "Replicas of the namespace's Redis primary online at the last check."),
+    ("redis_replica_acks", "drafter_redis_replica_acks",
+     "Replicas each stored request waits for (--redis-replica-acks); while fewer are online, requests spool."),
 )
 
 

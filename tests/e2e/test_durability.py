@@ -105,8 +105,12 @@ def test_redis_restarted_under_the_service_spools_then_drains_every_acknowledged
         assert health(address, "drafter.v1.Drafter") == SERVING
         stats = stub.GetStats(pb.GetStatsRequest())
         assert stats.persistence_healthy is False and stats.stored_requests == 3 + 4 + 2 + 1 + 1 + 1
-        assert json.loads(http(runtime, "/healthz")) == {"status": "degraded", "persistence_healthy": {
-            "default": False}, "spooled_requests": {"default": 9}}
+        assert stats.spooled_requests == 9 and "9 acknowledged requests wait" in stats.persistence_detail
+        report = json.loads(http(runtime, "/healthz"))
+        assert report.pop("persistence_detail")["default"].startswith("Redis does not answer")
+        assert report == {"status": "degraded", "persistence_healthy": {"default": False},
+                          "spooled_requests": {"default": 9}, "redis_replicas_connected": {"default": 0},
+                          "redis_replica_acks": {"default": 0}}
         assert 'drafter_spooled_requests{namespace="default"} 9.0' in http(runtime, "/metrics")
         (spool_file,) = (tmp_path / "spool" / "default").glob("*.spool")
         assert spool_file.stat().st_size > 9 * 40 * 4

@@ -74,9 +74,12 @@ def test_namespaces_series_and_health(runtime):
     assert sum(p["interval_s"] for p in merged) == pytest.approx(sum(p["interval_s"] for p in points))
     assert json.loads(request(runtime, "/api/series")[2])["namespace"] == "default"
     status, _, body = request(runtime, "/healthz")
-    assert status == 200 and json.loads(body) == {"status": "ok",
-                                                  "persistence_healthy": {"default": True, "other": True},
-                                                  "spooled_requests": {"default": 0, "other": 0}}
+    both = dict.fromkeys(("default", "other"))
+    assert status == 200 and json.loads(body) == {"status": "ok", "persistence_healthy": dict.fromkeys(both, True),
+                                                  "spooled_requests": dict.fromkeys(both, 0),
+                                                  "redis_replicas_connected": dict.fromkeys(both, 0),
+                                                  "redis_replica_acks": dict.fromkeys(both, 0),
+                                                  "persistence_detail": dict.fromkeys(both, "")}
     status, kind, body = request(runtime, "/metrics")
     assert status == 200 and kind.startswith("text/plain") and b'drafter_drafts_total{namespace="other"}' in body
 

@@ -9,6 +9,7 @@ import urllib.request
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from redis_topologies import wait_until
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
@@ -190,6 +191,7 @@ def test_a_redis_outage_drops_points_with_a_warning_and_serving_goes_on(running,
     assert runtime.rollup.roll()[0]["healthy"] is True
     port = redis_server.port
     redis_server.stop()
+    wait_until(lambda: not runtime.persistence_health.healthy, 10, "the health check to notice")  # every 1 s
     with caplog.at_level(logging.WARNING, logger="drafter_service.web.timeseries"):
         (point,) = runtime.rollup.roll()
     assert point["healthy"] is False and point["drafts"] == 0
@@ -205,6 +207,7 @@ def test_a_redis_outage_drops_points_with_a_warning_and_serving_goes_on(running,
     assert status == 200 and json.loads(body)["persistence_healthy"] == {"default": False}
 
     with EmbeddedRedis(redis_server.data_dir, port=port):  # Redis is back with its data
+        wait_until(lambda: runtime.persistence_health.healthy, 10, "the health check to notice")
         (point,) = runtime.rollup.roll()
         assert point["healthy"] is True and point["drafts"] == 1
         status, body = get(runtime, "/api/series?namespace=default")

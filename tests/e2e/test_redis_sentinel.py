@@ -23,7 +23,7 @@ from drafter_service.service.config import ServiceConfig
 from store.persistence import RedisPersistence
 
 VOCAB = 1000
-CALL_TIMEOUT_S = 30  # an append caught by the kill takes a few seconds to fall back to the spool
+CALL_TIMEOUT_S = 10  # an append caught by the kill falls back to the spool within --redis-write-timeout (1 s)
 
 
 def serve(argv: list[str]) -> Runtime:

@@ -210,7 +210,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("namespace", "vocab_size", "stored_tokens", "stored_requests", "indexed_tokens", "unindexed_tokens", "memory_bytes", "index_age_seconds", "dynamic_leaders", "frozen_tables", "active_sessions", "drafts", "drafted_tokens", "confirmed_tokens", "mean_accepted_length", "draft_latency_p50_us", "draft_latency_p99_us", "persistence_healthy", "reported_steps", "mean_step_ms", "reused_steps", "draft_model_sessions", "draft_model_steps", "draft_model_hits", "speedup_steps", "estimated_speedup", "drafted_by_source", "confirmed_by_source", "repeat_hits", "draft_model_verdict", "draft_model_served", "draft_model_ratio")
+    __slots__ = ("namespace", "vocab_size", "stored_tokens", "stored_requests", "indexed_tokens", "unindexed_tokens", "memory_bytes", "index_age_seconds", "dynamic_leaders", "frozen_tables", "active_sessions", "drafts", "drafted_tokens", "confirmed_tokens", "mean_accepted_length", "draft_latency_p50_us", "draft_latency_p99_us", "persistence_healthy", "reported_steps", "mean_step_ms", "reused_steps", "draft_model_sessions", "draft_model_steps", "draft_model_hits", "speedup_steps", "estimated_speedup", "drafted_by_source", "confirmed_by_source", "repeat_hits", "draft_model_verdict", "draft_model_served", "draft_model_ratio", "spooled_requests", "redis_replicas_connected", "redis_replica_acks", "persistence_detail")
     class DraftedBySourceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,10 @@ class GetStatsResponse(_message.Message):
     DRAFT_MODEL_VERDICT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_SERVED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_RATIO_FIELD_NUMBER: _ClassVar[int]
+    SPOOLED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REDIS_REPLICAS_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    REDIS_REPLICA_ACKS_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENCE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     vocab_size: int
     stored_tokens: int
@@ -289,7 +293,11 @@ class GetStatsResponse(_message.Message):
     draft_model_verdict: str
     draft_model_served: bool
     draft_model_ratio: float
-    def __init__(self, namespace: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stored_tokens: _Optional[int] = ..., stored_requests: _Optional[int] = ..., indexed_tokens: _Optional[int] = ..., unindexed_tokens: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., index_age_seconds: _Optional[float] = ..., dynamic_leaders: _Optional[int] = ..., frozen_tables: _Optional[_Iterable[str]] = ..., active_sessions: _Optional[int] = ..., drafts: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., confirmed_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., draft_latency_p50_us: _Optional[float] = ..., draft_latency_p99_us: _Optional[float] = ..., persistence_healthy: _Optional[bool] = ..., reported_steps: _Optional[int] = ..., mean_step_ms: _Optional[float] = ..., reused_steps: _Optional[int] = ..., draft_model_sessions: _Optional[int] = ..., draft_model_steps: _Optional[int] = ..., draft_model_hits: _Optional[int] = ..., speedup_steps: _Optional[int] = ..., estimated_speedup: _Optional[float] = ..., drafted_by_source: _Optional[_Mapping[str, int]] = ..., confirmed_by_source: _Optional[_Mapping[str, int]] = ..., repeat_hits: _Optional[int] = ..., draft_model_verdict: _Optional[str] = ..., draft_model_served: _Optional[bool] = ..., draft_model_ratio: _Optional[float] = ...) -> None: ...
+    spooled_requests: int
+    redis_replicas_connected: int
+    redis_replica_acks: int
+    persistence_detail: str
+    def __init__(self, namespace: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stored_tokens: _Optional[int] = ..., stored_requests: _Optional[int] = ..., indexed_tokens: _Optional[int] = ..., unindexed_tokens: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., index_age_seconds: _Optional[float] = ..., dynamic_leaders: _Optional[int] = ..., frozen_tables: _Optional[_Iterable[str]] = ..., active_sessions: _Optional[int] = ..., drafts: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., confirmed_tokens: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., draft_latency_p50_us: _Optional[float] = ..., draft_latency_p99_us: _Optional[float] = ..., persistence_healthy: _Optional[bool] = ..., reported_steps: _Optional[int] = ..., mean_step_ms: _Optional[float] = ..., reused_steps: _Optional[int] = ..., draft_model_sessions: _Optional[int] = ..., draft_model_steps: _Optional[int] = ..., draft_model_hits: _Optional[int] = ..., speedup_steps: _Optional[int] = ..., estimated_speedup: _Optional[float] = ..., drafted_by_source: _Optional[_Mapping[str, int]] = ..., confirmed_by_source: _Optional[_Mapping[str, int]] = ..., repeat_hits: _Optional[int] = ..., draft_model_verdict: _Optional[str] = ..., draft_model_served: _Optional[bool] = ..., draft_model_ratio: _Optional[float] = ..., spooled_requests: _Optional[int] = ..., redis_replicas_connected: _Optional[int] = ..., redis_replica_acks: _Optional[int] = ..., persistence_detail: _Optional[str] = ...) -> None: ...
 
 class FrozenTableChunk(_message.Message):
     __slots__ = ("namespace", "name", "leader_len", "follower_len", "source", "leaders", "fanout", "followers", "counts")
