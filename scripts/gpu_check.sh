@@ -30,6 +30,6 @@ step() {
 step tests "$py" -m pytest -q -p no:cacheprovider tests/engines/reference/test_engine.py -k "cuda or padded"
 step steps "${drafter[@]}" bench steps --device cuda --sizes 0,4,8,16,32,64 --context 512 --repeats 30
 step e2e "${drafter[@]}" bench e2e --device cuda --dtype bfloat16 --dataset gsm8k --dataset humaneval --warm 16 --requests 8 \
-    --max-new-tokens 128 --methods greedy,drafter,hf,hf-static,hf-pld --fixed-budgets 8,32,64 --json "$out/e2e.json"
+    --max-new-tokens 128 --methods greedy,drafter,drafter-pre,hf,hf-static,hf-pld --fixed-budgets 8,32,64 --json "$out/e2e.json"
 step exact "${drafter[@]}" bench e2e --device cuda --dtype float32 --dataset gsm8k --warm 8 --requests 3 \
-    --max-new-tokens 96 --methods greedy,drafter
+    --max-new-tokens 96 --methods greedy,drafter,drafter-pre
