@@ -307,6 +307,12 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
             entries = cast("list[StreamEntry]", self.quick_client.xrange(self.stream_key, f"({after}", until))
         return [record_from_entry(sid, fields) for sid, fields in entries]
 
+    def request_at(self, stream_id: str) -> RequestRecord | None:
+        """The logged request with this stream id, or None when the log does not hold it (trimmed, or never)."""
+        with _redis_errors("read a request"):
+            entries = cast("list[StreamEntry]", self.client.xrange(self.stream_key, stream_id, stream_id, count=1))
+        return record_from_entry(*entries[0]) if entries else None
+
     def last_event_id(self) -> str:
         """Id of the newest event ("0-0" when none)."""
         with _redis_errors("read the event position"):

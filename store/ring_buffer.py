@@ -123,6 +123,37 @@ class RingBuffer:
             start, stop = self.oldest, self._end
             return self.read(start, stop), start
 
+    def saved(self) -> tuple[np.ndarray, int, int]:
+        """``snapshot`` and the number of documents ever appended, taken together: (tokens, start, documents)."""
+        with self._lock:
+            start, stop = self.oldest, self._end
+            return self.read(start, stop), start, self._documents
+
+    def load(self, tokens: np.ndarray, start: int, documents: int) -> None:
+        """Replace the contents with ``tokens`` held at absolute positions [start, start + n), as ``saved`` gave them.
+
+        Args:
+            tokens: (n,) int32 tokens and separators, oldest first, ending with a separator (or empty).
+            start: absolute position of ``tokens[0]``; positions keep their slots (``p % capacity``), so an index
+                built over them before still finds them.
+            documents: documents ever appended up to the end of ``tokens``.
+
+        Raises:
+            ValueError: more tokens than the capacity, a start other than the oldest position a ring ending at
+                ``start + n`` holds (0, or ``start + n - capacity``), or a last slot that is not a separator.
+        """
+        n = int(tokens.size)
+        end = int(start) + n
+        if n > self.capacity or int(start) != max(0, end - self.capacity):
+            raise ValueError(f"cannot hold {n} tokens from position {start} in a ring of {self.capacity}")
+        if n and int(tokens[-1]) != SEPARATOR:
+            raise ValueError("the saved tokens do not end with a separator")
+        with self._lock:
+            self._data.fill(SEPARATOR)
+            self._write(int(start), np.asarray(tokens, dtype=np.int32))
+            self._end = end
+            self._documents = int(documents)
+
     def check_invariants(self) -> None:
         """Raise AssertionError when the buffer's bookkeeping is inconsistent."""
         assert 0 <= self.oldest <= self._end

@@ -83,6 +83,31 @@ class SuffixIndex:
         self.build_seconds = time.perf_counter() - t0
         logger.debug("suffix index over %d tokens built in %.3f s", len(self), self.build_seconds)
 
+    @classmethod
+    def from_arrays(cls, start: int, sa: np.ndarray, keys: np.ndarray, bits: int, tokens_per_key: int) -> SuffixIndex:
+        """An index over [start, start + len(sa)) from arrays ``build_arrays`` made for it earlier (e.g. read-only
+        views of a memory-mapped index file); nothing is copied or built.
+
+        Raises:
+            ValueError: arrays of other lengths, dtypes or layout.
+        """
+        if sa.ndim != 1 or keys.ndim != 1 or sa.size != keys.size or sa.dtype != np.int32 or keys.dtype != np.uint64:
+            raise ValueError(f"suffix array {sa.dtype}{sa.shape} and keys {keys.dtype}{keys.shape} are no index")
+        if not 1 <= bits <= 32 or not 1 <= tokens_per_key or bits * tokens_per_key > 64:
+            raise ValueError(f"unsupported key layout: {bits} bits, {tokens_per_key} tokens per key")
+        index = cls.__new__(cls)
+        index.start = int(start)
+        index.end = index.start + int(sa.size)
+        index._sa, index._keys, index.bits, index.tokens_per_key = sa, keys, int(bits), int(tokens_per_key)
+        index.native_index = index._native_index()
+        index.build_seconds = 0.0
+        return index
+
+    @property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """(sa, keys, bits, tokens per key) as ``build_arrays`` returns them (the index's own, not copies)."""
+        return self._sa, self._keys, self.bits, self.tokens_per_key
+
     def _native_index(self) -> Index | None:
         if match_kernels.compiled is None:
             return None

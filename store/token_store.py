@@ -47,6 +47,45 @@ EMPTY = Continuations(0, np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.
 
 
 @dataclass(frozen=True)
+class SavedStore:
+    """What an index file keeps of a store: the ring's tokens and the suffix indexes, as they were together.
+
+    Attributes:
+        tokens: (n,) int32 every token and separator the ring held, oldest first.
+        start: absolute position of ``tokens[0]`` (the ring's oldest then).
+        documents: documents ever appended up to the end of ``tokens``.
+        index: the main suffix index; it ends at or before the end of ``tokens`` and may start before ``start``
+            where the ring had overwritten part of it.
+        delta: the delta index after it (None: none); the tokens after both are left to be indexed again.
+    """
+
+    tokens: np.ndarray
+    start: int
+    documents: int
+    index: SuffixIndex
+    delta: SuffixIndex | None = None
+
+    @property
+    def end(self) -> int:
+        """Absolute position one past the last token."""
+        return self.start + int(self.tokens.size)
+
+    @property
+    def indexed_end(self) -> int:
+        """Absolute position one past the last indexed token."""
+        return (self.delta or self.index).end
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the indexes do not fit the tokens."""
+        assert self.tokens.ndim == 1 and self.tokens.dtype == np.int32
+        assert self.start <= self.index.end <= self.end, "the main index ends outside the saved tokens"
+        if self.delta is not None:
+            assert self.delta.start == self.index.end, "the delta index does not start where the main one ends"
+            assert self.delta.end <= self.end, "the delta index ends outside the saved tokens"
+        assert not self.tokens.size or int(self.tokens[-1]) == -1, "the saved tokens do not end with a separator"
+
+
+@dataclass(frozen=True)
 class _Indexes:
     main: SuffixIndex | None
     delta: SuffixIndex | None
@@ -175,6 +214,38 @@ class TokenStore:
             tokens, start = self.ring.snapshot()  # also a "delta" when none of the main index is held
             self._indexes = _Indexes(self._index(tokens, start) if tokens.size else None, None)
             return "main"
+
+    # -- saving and loading ----------------------------------------------------------------------------
+
+    def saved(self) -> SavedStore | None:
+        """The ring's tokens and the suffix indexes as they are now (a copy of the tokens; the indexes are shared,
+        they are immutable), for an index file; None while there is no main index or the ring overwrote all of it."""
+        idx = self._indexes  # read first: an index swapped in later may cover tokens the copy lacks
+        if idx.main is None:
+            return None
+        tokens, start, documents = self.ring.saved()
+        if idx.main.end <= start:
+            return None
+        return SavedStore(tokens, start, documents, idx.main, idx.delta)
+
+    def restore(self, saved: SavedStore) -> None:
+        """Replace everything held with a saved state: the ring's tokens at their positions and the indexes.
+
+        Tokens after the indexes are unindexed (the newest ``tail_window`` of them are searched at once; the
+        rebuild ``rebuild_due`` then asks for indexes the rest).
+
+        Raises:
+            ValueError: a state that does not fit this store (capacity) or whose indexes do not fit its tokens.
+        """
+        try:
+            saved.check_invariants()
+        except AssertionError as exc:
+            raise ValueError(f"a saved store whose indexes do not fit its tokens: {exc}") from None
+        with self._rebuild_lock:
+            self.ring.load(saved.tokens, saved.start, saved.documents)
+            self._indexes = _Indexes(saved.index, saved.delta)
+            if self._tail is not None:
+                self._tail = type(self._tail)(self.tail_window)
 
     # -- reading ---------------------------------------------------------------------------------------
 
