@@ -332,12 +332,17 @@ class Drafter:
 
         ``prompt_len`` (when known) splits it into prompt and output for the cache of repeated prompts.
         """
-        if learn and self.config.use_dynamic:
-            with self._table_lock:
-                self.dynamic.update(doc.tolist())
+        if learn:
+            self.learn(doc)
         self.store.append(doc)
         if prompt_len is not None and self.config.use_repeat:
             self.repeats.remember(doc[:prompt_len], doc[prompt_len:])
+
+    def learn(self, doc: np.ndarray) -> None:
+        """Feed a stored document to the dynamic table only (``add_document`` without storing it)."""
+        if self.config.use_dynamic:
+            with self._table_lock:
+                self.dynamic.update(doc.tolist())
 
     def ingest(self, prompt: Sequence[int] | np.ndarray, output: Sequence[int] | np.ndarray) -> None:
         """Add a completed request that had no session (from an engine or a log)."""

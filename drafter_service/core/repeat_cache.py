@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import threading
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -77,6 +78,50 @@ class RepeatCache:
                 self._outputs.move_to_end(key)
                 self.hits += 1
         return found
+
+    def saved(self) -> dict[str, np.ndarray]:
+        """The cache's entries as arrays, least recently used first, for an index file (``load`` reads them back).
+
+        Returns:
+            "repeat_digests" (k, 16) uint8 prompt digests, "repeat_lengths" (k,) int64 output lengths and
+            "repeat_tokens" (sum of lengths,) int32 the outputs one after another.
+        """
+        with self._lock:
+            entries = list(self._outputs.items())
+        digests = np.frombuffer(b"".join(k for k, _ in entries), dtype=np.uint8).reshape(len(entries), 16)
+        lengths = np.fromiter((v.size for _, v in entries), dtype=np.int64, count=len(entries))
+        outputs = [v for _, v in entries]
+        # in slices: one concatenate over very many small arrays would hold the GIL for long
+        parts = [np.concatenate(outputs[i:i + 4096]) for i in range(0, len(outputs), 4096)]
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        return {"repeat_digests": digests, "repeat_lengths": lengths, "repeat_tokens": tokens.astype(np.int32)}
+
+    def load(self, arrays: Mapping[str, np.ndarray]) -> int:
+        """Replace the entries with those ``saved`` gave (the hit counts and the learnt continuation rate stay).
+
+        Entries beyond this cache's bounds are cut as ``remember`` cuts them; returns the entries held.
+
+        Raises:
+            ValueError: arrays that do not fit together.
+        """
+        digests, lengths, tokens = arrays["repeat_digests"], arrays["repeat_lengths"], arrays["repeat_tokens"]
+        if digests.ndim != 2 or digests.shape[1:] != (16,) or lengths.shape != (len(digests),) or \
+                int(lengths.sum()) != tokens.size or (lengths.size and int(lengths.min()) < 1):
+            raise ValueError("repeated-prompt arrays that do not fit together")
+        ends = np.cumsum(lengths)
+        keys = digests.tobytes()
+        with self._lock:
+            self._outputs.clear()
+            self._tokens = 0
+            for i, (end, n) in enumerate(zip(ends.tolist(), lengths.tolist(), strict=True)):
+                out = np.array(tokens[end - n:end][:self.max_output], dtype=np.int32)
+                out.flags.writeable = False
+                self._outputs[keys[16 * i:16 * i + 16]] = out
+                self._tokens += out.size
+            while self._tokens > self.max_tokens:
+                _, dropped = self._outputs.popitem(last=False)
+                self._tokens -= dropped.size
+            return len(self._outputs)
 
     @property
     def continue_prob(self) -> float:

@@ -19,9 +19,11 @@ from drafter_service.core.model_drafts import ModelDrafts
 from drafter_service.core.session import NOTHING_CONFIRMED, DraftSession
 from drafter_service.namespaces.durable_log import DurableLog
 from drafter_service.namespaces.frozen_tables import FrozenTables
+from drafter_service.namespaces.index_files import IndexFiles
 from drafter_service.namespaces.persistence_status import PersistenceStatus, persistence_status
 from drafter_service.namespaces.spooling import SpoolingLog
 from drafter_service.namespaces.stats import DraftCounters, NamespaceStats
+from store.index_file import IndexFileError
 from store.request_log import Duplicates, SeenKeys
 from store.table_codec import encode_table
 
@@ -49,6 +51,7 @@ class Namespace:
         self._memory_seen = SeenKeys()  # duplicate keys when there is no persistence
         self.log = DurableLog(name, persistence, self._store_logged, self.frozen_tables.sync)
         self.spool: SpoolingLog | None = None  # set at start-up: holds requests while Redis cannot
+        self.index_files: IndexFiles | None = None  # set at start-up: the index file, read at restore
 
     @classmethod
     def create(cls, name: str, base: DrafterConfig, vocab_size: int, persistence: RedisPersistence | None,
@@ -59,10 +62,15 @@ class Namespace:
     # -- restore and save -----------------------------------------------------------------------------
 
     def restore(self, progress: Callable[[int], None] | None = None) -> int:
-        """Reload everything persisted: snapshots, frozen tables, then every stored request; rebuild the index.
+        """Reload everything persisted: snapshots, frozen tables, then the stored requests.
+
+        With a usable index file (``index_files``) the store and the repeated-prompt cache come from it and only
+        the requests logged after it are read and stored (the index is brought up to date in the background);
+        otherwise every stored request is read and the main index is rebuilt. The dynamic table comes from its
+        snapshot plus the requests logged after the snapshot either way.
 
         Returns:
-            Number of requests restored.
+            Number of requests restored (those the index file holds included).
         """
         p = self.persistence
         if p is None:
@@ -78,15 +86,36 @@ class Namespace:
             self.drafter.model.load(stats)
         self.log.event_position = p.last_event_id()  # tables changed after this are picked up by a follower
         self.frozen_tables.restore()
-        n = 0
-        for rec in p.iter_request_records():
-            self.drafter.add_document(rec.tokens, learn=_after(rec.stream_id, after), prompt_len=rec.prompt_len)
-            self.log.position = rec.stream_id
-            n += 1
-            if progress is not None and n % 1000 == 0:
-                progress(n)
-        self.rebuild("main")
+        covered = self._restore_index_file()  # None: every request is read and stored
+        n = self.drafter.store.ring.documents
+        for rec in p.iter_request_records(after="0-0" if covered is None else min(covered, after, key=_stream_key)):
+            learn = _after(rec.stream_id, after)
+            if covered is None or _after(rec.stream_id, covered):
+                self.drafter.add_document(rec.tokens, learn=learn, prompt_len=rec.prompt_len)
+                self.log.position = rec.stream_id
+                n += 1
+                if progress is not None and n % 1000 == 0:
+                    progress(n)
+            elif learn:  # stored by the index file; the table snapshot is older
+                self.drafter.learn(rec.tokens)
+        if covered is None:
+            self.rebuild("main")
         return n
+
+    def _restore_index_file(self) -> str | None:
+        """Take the store from the index file when it is usable; returns the stream id it covers, else None."""
+        files = self.index_files
+        found = files.load() if files is not None else None
+        if files is None or found is None:
+            return None
+        try:
+            files.restore(found)
+        except IndexFileError as exc:
+            logger.warning("namespace %s: index file not used (%s); rebuilding the index from the log", self.name,
+                           exc)
+            return None
+        self.built_at = time.monotonic()
+        return found.header.stream_id
 
     def snapshot(self) -> None:
         """Save the dynamic table and the acceptance statistics."""
@@ -103,12 +132,24 @@ class Namespace:
         p.trim_requests(self.drafter.config.capacity)  # the log never outgrows what the ring buffer holds
 
     def rebuild(self, kind: str | None = None) -> str | None:
-        """Rebuild the suffix index that is due (or ``kind``)."""
+        """Rebuild the suffix index that is due (or ``kind``); the index file is then written again when due."""
+        t0 = time.perf_counter()
         done = self.drafter.store.rebuild(kind)
+        if done == "main":
+            logger.info("namespace %s: main index over %d tokens built in %.2f s", self.name,
+                        self.drafter.store.indexed_end - self.drafter.store.ring.oldest, time.perf_counter() - t0)
         if done:
             self.built_at = time.monotonic()
             self.drafter.refresh_draft_vocabulary()
+            if self.index_files is not None:
+                self.index_files.rebuilt(done)
         return done
+
+    def save_index(self, behind: bool = False) -> None:
+        """Write the index file when it is due (background job), or with ``behind`` whenever the indexes cover
+        more than it does (shut-down)."""
+        if self.index_files is not None:
+            self.index_files.save(behind)
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -292,8 +333,12 @@ class Namespace:
         )
 
 
+def _stream_key(stream_id: str) -> tuple[int, int]:
+    """A stream id ("ms-seq") as a sortable pair."""
+    a, _, b = stream_id.partition("-")
+    return int(a), int(b or 0)
+
+
 def _after(stream_id: str, snapshot_id: str) -> bool:
     """Whether a stream entry came after the one a table snapshot covers (ids are "ms-seq")."""
-    a, _, b = stream_id.partition("-")
-    c, _, d = snapshot_id.partition("-")
-    return (int(a), int(b or 0)) > (int(c), int(d or 0))
+    return _stream_key(stream_id) > _stream_key(snapshot_id)

@@ -14,6 +14,7 @@ from drafter_service.ingest.warm_watch import FolderWatch, service_watch
 from drafter_service.namespaces.log_follower import LogFollower, default_replica_id
 from drafter_service.rpc.persistence_health import PersistenceHealth
 from drafter_service.rpc.server import create_server
+from drafter_service.runtime.index_folder import attach_index_files
 from drafter_service.runtime.jobs import start_jobs
 from drafter_service.runtime.spools import attach_spools
 from drafter_service.service.auth import HttpAuth
@@ -63,6 +64,7 @@ class Runtime:
             self._worker = IndexWorker()
             for ns in self.service.namespaces.values():
                 ns.drafter.store.builder = self._worker.build_arrays
+        attach_index_files(self.service, cfg)
         adopted = attach_spools(self.service, cfg)  # a stopped process's spooled requests go into the log first
         if adopted:
             logger.info("%d requests spooled by a stopped process moved to Redis", adopted)
@@ -88,7 +90,8 @@ class Runtime:
         self.warm = service_watch(self.service, cfg)
         self._scheduler = start_jobs(self.service, cfg.rebuild_interval_s, cfg.snapshot_interval_s,
                                      metrics=self.rollup.roll, metrics_interval_s=cfg.metrics_interval_s,
-                                     warm=self.warm)
+                                     warm=self.warm,
+                                     index_files=self.service.save_index_files)
         return self
 
     @property
@@ -121,6 +124,7 @@ class Runtime:
         if self.service is not None:
             self.service.close()
             self.service.snapshot()
+            self.service.save_index_files(behind=True)  # the next start reads what is indexed now
         if self._worker is not None:
             self._worker.close()
         if self.redis is not None:

@@ -140,6 +140,10 @@ class ServiceConfig:
         "--warm-namespace", "namespace --warm-dir is warmed into", WARMING))
     replica_id: str = field(default="", metadata=setting(
         "--replica-id", "this replica's name in logs and metrics ('': host name and process id)", REPLICAS))
+    index_dir: str = field(default="", metadata=setting(
+        "--index-dir", "folder of the index files, one per namespace: the ring buffer, its suffix indexes and the "
+        "repeated-prompt cache, written in the background after index rebuilds and read at start, so that a restart "
+        "reads and indexes only the requests logged after them ('': DATA_DIR/index)", STORAGE))
     spool_dir: str = field(default="", metadata=setting(
         "--spool-dir", "folder of the spool that holds acknowledged requests while Redis cannot take them, one file "
         "per namespace and process, made only when needed ('': DATA_DIR/spool)", STORAGE))

@@ -96,6 +96,15 @@ class DrafterService:
         for ns in self.namespaces.values():
             ns.rebuild()
 
+    def save_index_files(self, behind: bool = False) -> None:
+        """Write the index files that are due (background job), or with ``behind`` every one its namespace's indexes
+        have outgrown (shut-down)."""
+        for ns in self.namespaces.values():
+            try:
+                ns.save_index(behind)
+            except Exception:
+                logger.exception("namespace %s: the index file could not be written", ns.name)
+
     # -- routing --------------------------------------------------------------------------------------
 
     def namespace(self, name: str, caller: Caller | None = None) -> Namespace:

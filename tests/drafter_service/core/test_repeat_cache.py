@@ -136,3 +136,28 @@ def test_repeat_can_be_switched_off():
     d.start("s", [1, 2, 3])
     assert len(d.propose("s")) == 0
     assert len(d.repeats) == 0
+
+
+def test_saved_entries_load_back_in_order_and_within_the_bounds():
+    cache = RepeatCache(max_tokens=100, max_output=8)
+    for i in range(12):
+        cache.remember(arr(i, i + 1), np.arange(i % 5 + 1, dtype=np.int32) + 10 * i)
+    cache.lookup(arr(3, 4))  # a hit: the least recently used order changes
+    saved = cache.saved()
+    assert saved["repeat_digests"].shape == (len(cache), 16) and saved["repeat_tokens"].size == cache.tokens
+    copy = RepeatCache(max_tokens=100, max_output=8)
+    assert copy.load(saved) == len(cache)
+    copy.check_invariants()
+    assert [k.tobytes() for k in copy.saved()["repeat_digests"]] == [k.tobytes() for k in saved["repeat_digests"]]
+    for i in range(12):
+        got, want = copy.lookup(arr(i, i + 1)), cache.lookup(arr(i, i + 1))
+        assert (got is None and want is None) or (got is not None and want is not None and got.tolist() ==
+                                                  want.tolist() and not got.flags.writeable)
+    small = RepeatCache(max_tokens=6, max_output=2)
+    small.load(saved)  # cut as remember cuts: outputs to max_output, the oldest dropped to max_tokens
+    small.check_invariants()
+    assert small.tokens <= 6 and small.lookup(arr(3, 4)) is not None  # the most recently used survives
+    with pytest.raises(ValueError):
+        copy.load({**saved, "repeat_lengths": saved["repeat_lengths"] + 1})
+    empty = RepeatCache()
+    assert empty.load(empty.saved()) == 0
