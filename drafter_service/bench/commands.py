@@ -28,6 +28,7 @@ from drafter_service.bench.replicas_bench import add_replicas_bench
 from drafter_service.bench.serve_bench import add_serve_bench
 from drafter_service.bench.soak import add_soak_bench
 from drafter_service.bench.step_profile import add_steps_bench
+from drafter_service.bench.store_bench import add_store_bench
 from drafter_service.bench.vllm_bench import add_vllm_bench
 from drafter_service.bench.warm_bench import add_warm_bench
 from drafter_service.core.config import GATES, DrafterConfig
@@ -97,11 +98,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
                     help="when the model's nodes are served (drafter serve's --card-gate; the replay's default "
                     "weighs acceptance alone, since time does not count in it)")
     rp.set_defaults(func=run_replay)
-    st = bench.add_parser("store", help="index size, rebuild time and draft latency with a large store")
-    st.add_argument("--tokens", type=int, default=10_000_000, help="tokens to fill the store with")
-    st.add_argument("--requests", type=int, default=200, help="held-out requests whose drafts are timed")
-    st.add_argument("--budget", type=int, default=32)
-    st.set_defaults(func=run_store)
+    add_store_bench(bench)
     add_serve_bench(bench)
     add_batch_bench(bench)
     add_proposer_bench(bench)
@@ -393,32 +390,3 @@ def format_table(results: Sequence[ReplayResult]) -> str:
     lines += [f"\n{r.dataset} b={r.label} {r.drafter}: draft model cache hit rate {r.model_hit_rate:.1%} of its steps"
               for r in results if r.model_hit_rate is not None]
     return "\n".join(lines)
-
-
-def run_store(args: argparse.Namespace) -> int:
-    """Fill a store with ShareGPT requests (repeated) up to ``--tokens``, rebuild, then time drafts."""
-    requests = load_dataset("sharegpt", 3000)
-    held_out, fill = requests[-args.requests:], requests[:-args.requests]
-    core = CoreDrafter(DrafterConfig(capacity=max(args.tokens + 1024, 1 << 20)))
-    store = core.core.store
-    with tqdm(total=args.tokens, desc="filling", unit="tok", unit_scale=True, file=sys.stderr) as bar:
-        i = 0
-        while store.ring.end < args.tokens:
-            req = fill[i % len(fill)]
-            before = store.ring.end
-            core.core.ingest(req.prompt, req.output)
-            bar.update(store.ring.end - before)
-            i += 1
-    t0 = time.perf_counter()
-    store.rebuild("main")
-    rebuild_s = time.perf_counter() - t0
-    stats = store.stats()
-    per_token = (stats["ring_bytes"] + stats["index_bytes"]) / max(1, stats["tokens"])
-    result = replay(core, held_out, args.budget, "sharegpt-held-out")
-    print(f"tokens stored: {stats['tokens']:,}  documents: {stats['documents']:,}")
-    print(f"main index rebuild: {rebuild_s:.2f} s")
-    print(f"ring buffer + index: {per_token:.2f} bytes per stored token")
-    print(f"drafts timed: {result.steps:,}  budget {args.budget}  MAT {result.mat:.3f}")
-    print(f"draft latency (correction + proposal): p50 {result.p50_us:.1f} µs  p99 {result.p99_us:.1f} µs  "
-          f"mean {np.mean(result.latencies_ns) / 1e3:.1f} µs")
-    return 0

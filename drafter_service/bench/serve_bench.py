@@ -22,6 +22,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from drafter_service.api.tree import DraftTree, accept_greedy
+from drafter_service.bench.machine import machine
+from drafter_service.bench.restart_bench import (
+    Prober,
+    figures,
+    folder_bytes,
+    index_file_documents,
+    log_seconds,
+    restart,
+    store_marker,
+    wait_for,
+)
 from drafter_service.datasets.loaders import Request, load_dataset
 
 
@@ -32,6 +43,10 @@ def add_serve_bench(bench: argparse._SubParsersAction) -> None:
     sp.add_argument("--streams", type=int, default=16, help="concurrent DraftStream clients in the throughput run")
     sp.add_argument("--seconds", type=float, default=10.0, help="length of the throughput run")
     sp.add_argument("--budget", type=int, default=32, help="tree budget")
+    sp.add_argument("--after-seconds", type=float, default=30.0,
+                    help="how long Draft calls are timed after the large ingest ends")
+    sp.add_argument("--work-dir", default=None,
+                    help="folder for the service's data dir (Redis, index file): default the system's temporary one")
     sp.set_defaults(func=run_serve_bench)
 
 
@@ -77,9 +92,10 @@ class ServiceProcess:
                "DRAFTER_HTTP_ADDRESS": ""}  # no dashboard: the bench measures gRPC, beside any running service
         t0 = time.monotonic()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.data_dir / "serve.log", "wb") as log:
-            self.proc = subprocess.Popen([*exe, "serve", "--address", self.address, "--data-dir", str(self.data_dir),
-                                          *self.extra_args], env=env, stdout=subprocess.DEVNULL, stderr=log,
+        with open(self.data_dir / "serve.log", "ab") as log:
+            self.proc = subprocess.Popen([*exe, "--log-level", "INFO", "serve", "--address", self.address,
+                                          "--data-dir", str(self.data_dir), *self.extra_args], env=env,
+                                         stdout=subprocess.DEVNULL, stderr=log,
                                          preexec_fn=self._confine if self.cpus else None)
         try:
             _wait_serving(self.address, 300, self.proc)
@@ -141,11 +157,15 @@ def _pct(xs: list[float]) -> str:
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
-    """Fill a service with ShareGPT requests, then measure latency, throughput, rebuild impact and restart."""
+    """Fill a service with ShareGPT requests, timing drafts during and after the ingest, then measure latency,
+    throughput, rebuild impact, footprint and restarts after SIGKILL with and without the index file."""
+    print(f"Machine: {machine()}")
     requests = load_dataset("sharegpt", 3000)
     held, fill = requests[-300:], requests[:-300]
-    with tempfile.TemporaryDirectory(prefix="drafter-bench-") as tmp:
-        svc = ServiceProcess(Path(tmp) / "data", capacity=int(args.tokens * 1.3) + 1024)
+    with tempfile.TemporaryDirectory(prefix="drafter-bench-", dir=args.work_dir) as tmp:
+        # room for the fill, the 30% more that causes rebuilds and the sessions the measurements store (a few million
+        # tokens whatever --tokens says): the first request stored stays held to the end
+        svc = ServiceProcess(Path(tmp) / "data", capacity=int(args.tokens * 1.4) + (4 << 20))
         svc.start()
         try:
             _measure(svc, args, held, fill)
@@ -236,15 +256,46 @@ async def _throughput(address: str, held: list[Request], streams: int, seconds: 
         return sum(counts), time.monotonic() - t0
 
 
+MAIN_BUILT = r"main index over \d+ tokens built in ([\d.]+) s"
+"""The service's log line of a main index build (``Namespace.rebuild``)."""
+FILE_WRITTEN = r"index file .* written in ([\d.]+) s"
+"""The service's log line of an index file written (``IndexFiles.save``)."""
+
+
 def _measure(svc: ServiceProcess, args: argparse.Namespace, held: list[Request], fill: list[Request]) -> None:
     channel = grpc.insecure_channel(svc.address)
     stub = pb_grpc.DrafterStub(channel)
+    store_marker(stub)  # the first request stored: restarts must draft it back
+    prober = Prober(svc.address, held[100:300], args.budget).start()
     t0 = time.monotonic()
     cursor = _fill(stub, fill, args.tokens)
-    _wait_indexed(stub)
+    ingested = time.monotonic()
+    time.sleep(args.after_seconds)
+    probes = prober.stop()
     stats = stub.GetStats(pb.GetStatsRequest())
-    print(f"stored {stats.stored_tokens:,} tokens in {stats.stored_requests:,} requests "
-          f"({time.monotonic() - t0:.0f} s including indexing)")
+    took = ingested - t0
+    print(f"ingest of {stats.stored_tokens:,} tokens in {stats.stored_requests:,} requests: {took:.1f} s "
+          f"({stats.stored_tokens / took / 1e6:.2f} M tokens/s), Draft calls of another client meanwhile and after:")
+    print(f"  during the ingest:            {figures(probes.between(t0, ingested))}")
+    first = probes.first_after(ingested)
+    print(f"  right after it ({args.after_seconds:.0f} s):       "
+          f"{figures(probes.between(ingested, ingested + args.after_seconds))}; the first call: "
+          f"{first if first is not None else float('nan'):.1f} ms")
+    indexed, covered = _index_current(svc, stub, 1200)
+    said = (svc.data_dir / "serve.log").read_text(errors="replace")
+    built = log_seconds(said, MAIN_BUILT) or float("nan")
+    written = log_seconds(said, FILE_WRITTEN) or float("nan")
+    print(f"indexed {indexed - ingested:.0f} s after the ingest ended ({covered}): last main index build "
+          f"{built:.1f} s, last index file write {written:.1f} s")
+    stats = stub.GetStats(pb.GetStatsRequest())
+    index_bytes = folder_bytes(svc.data_dir / "index")
+    redis_bytes = folder_bytes(svc.data_dir / "appendonlydir")
+    indexes = stats.memory_bytes - 4 * svc.capacity  # the ring takes 4 bytes a slot, held or not
+    print(f"bytes per stored token: memory {(4 * stats.stored_tokens + indexes) / stats.stored_tokens:.2f} (ring "
+          f"buffer sized to them and indexes; this ring has {svc.capacity:,} slots), disk "
+          f"{index_bytes / stats.stored_tokens:.2f} (index file) + {redis_bytes / stats.stored_tokens:.2f} "
+          f"(Redis append-only files)")
+
     unary: list[float] = []
     streamed: list[float] = []
     for i in range(20):  # different requests for each, so neither drafts the other's stored copy
@@ -272,13 +323,47 @@ def _measure(svc: ServiceProcess, args: argparse.Namespace, held: list[Request],
         k += 1
     print(f"idle:                         {_pct(idle)}")
     ratio = np.percentile(during, 99) / np.percentile(idle, 99)
-    print(f"during background rebuilds:   {_pct(during)}  ratio p99 {ratio:.2f}")
+    print(f"during background rebuilds:   {_pct(during)}  max {max(during) / 1e3:.1f} ms  ratio p99 {ratio:.2f}")
+    _, covered = _index_current(svc, stub, 1200)
+    stats = stub.GetStats(pb.GetStatsRequest())
     channel.close()
 
-    total = stub_tokens = 0
-    svc.stop(signal.SIGKILL)
-    ready = svc.start()
-    with grpc.insecure_channel(svc.address) as channel:
-        s = pb_grpc.DrafterStub(channel).GetStats(pb.GetStatsRequest())
-        stub_tokens, total = s.stored_tokens, s.stored_requests
-    print(f"restart after SIGKILL with {stub_tokens:,} tokens ({total:,} requests): serving in {ready:.1f} s")
+    def probe(stub: pb_grpc.DrafterStub, tag: str) -> list[tuple]:
+        out = []
+        for i, req in enumerate(held[:20]):
+            sid = f"p-{tag}-{i}"
+            prompt = req.prompt.tolist() + req.output[:5].tolist()
+            stub.StartSession(pb.StartSessionRequest(session_id=sid, prompt=prompt))
+            reply = stub.Draft(pb.DraftRequest(session_id=sid, max_nodes=args.budget))
+            out.append((tuple(reply.token_ids), tuple(reply.parents), tuple(reply.probs)))
+        return out
+
+    print(f"restart after SIGKILL of the service and its Redis, {stats.stored_tokens:,} tokens "
+          f"({stats.stored_requests:,} requests) stored, {covered}:")
+    svc.extra_args += ["--snapshot-interval", "3600"]  # no table snapshot of the probes between the two restarts
+    with_file = restart(svc, True, probe)
+    print(f"  with the index file:        {with_file.line()}")
+    without = restart(svc, False, probe)
+    print(f"  without it (full rebuild):  {without.line()}")
+    same = sum(a == b for a, b in zip(with_file.drafts, without.drafts, strict=True))
+    print(f"  drafts of {len(with_file.drafts)} probe sessions equal after both restarts: {same} of "
+          f"{len(with_file.drafts)}")
+
+
+def _index_current(svc: ServiceProcess, stub: pb_grpc.DrafterStub, timeout: float) -> tuple[float, str]:
+    """Wait until nothing is left to index, then until the index file holds every stored request or has not
+    changed for 10 s (it is written again only once the indexes outgrow it by a sixteenth); returns the time and
+    how much of the log the file holds."""
+    wait_for("indexing", lambda: _quiet(stub), timeout)
+    stored = stub.GetStats(pb.GetStatsRequest()).stored_requests
+    path = svc.data_dir / "index" / "default.index"
+    seen: list[float] = []
+
+    def settled() -> bool:
+        if index_file_documents(svc.data_dir) >= stored:
+            return True
+        mtime = path.stat().st_mtime if path.exists() else 0.0
+        seen.append(mtime)
+        return len(seen) > 20 and seen[-21] == mtime
+    wait_for("index file", settled, timeout)
+    return time.monotonic(), f"the index file holds {index_file_documents(svc.data_dir):,} of {stored:,} requests"
