@@ -98,7 +98,7 @@ class ServiceProcess:
                                          stdout=subprocess.DEVNULL, stderr=log,
                                          preexec_fn=self._confine if self.cpus else None)
         try:
-            _wait_serving(self.address, 300, self.proc)
+            _wait_serving(self.address, 1800, self.proc)  # a full rebuild of 100M+ tokens takes minutes here
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}: {(self.data_dir / 'serve.log').read_text()[-2000:]}") from None
         return time.monotonic() - t0
