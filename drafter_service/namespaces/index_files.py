@@ -120,8 +120,8 @@ class IndexFiles:
                 repeats = self.drafter.repeats.saved()
                 self.due = False  # a main rebuild finishing while this one writes makes it due again
             cfg = self.drafter.config
-            header = IndexFileHeader.of(saved, self.name, cfg.vocab_size, cfg.capacity, self.store_id(), position)
-            try:
+            try:  # Redis may be away (the store id) or the disk full: written at a later run then
+                header = IndexFileHeader.of(saved, self.name, cfg.vocab_size, cfg.capacity, self.store_id(), position)
                 nbytes = write_index_file(self.path, header, {**store_arrays(saved), **repeats})
             except Exception:
                 self.due = True

@@ -214,3 +214,21 @@ def test_the_file_follows_delta_rebuilds_by_share_and_a_stop_writes_whatever_is_
     assert ns.rebuild("main") == "main" and files.save() is not None  # (the last one ran with DUTY 0)
     assert ns.rebuild("main") == "main" and files.save() is None and files.due
     assert files.save(behind=True) is None  # ... and one at shut-down finds the indexes covered already
+
+
+def test_a_failed_write_is_retried_at_the_next_run(redis_server, tmp_path: Path, monkeypatch):
+    ns = namespace(redis_server.url, tmp_path)
+    ns.ingest(requests(5, 20))
+    ns.rebuild("main")
+    files = ns.index_files
+    assert files is not None
+
+    def away() -> str:
+        raise ConnectionError("Redis is away")
+
+    monkeypatch.setattr(files, "store_id", away)
+    with pytest.raises(ConnectionError):
+        files.save()
+    assert files.due and not files.path.exists()
+    monkeypatch.undo()
+    assert files.save() is not None and files.path.exists() and not files.due
