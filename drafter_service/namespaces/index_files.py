@@ -151,7 +151,11 @@ class IndexFiles:
         tokens.
         """
         if not self.path.exists():
-            logger.info("namespace %s: no index file at %s; rebuilding the index from the log", self.name, self.path)
+            if self.persistence.last_id() == "0-0":  # a new namespace: nothing to index
+                logger.info("namespace %s: no index file at %s (nothing stored yet)", self.name, self.path)
+            else:
+                logger.warning("namespace %s: no index file at %s; rebuilding the index from the log", self.name,
+                               self.path)
             return None
         t0 = time.perf_counter()
         cfg = self.drafter.config

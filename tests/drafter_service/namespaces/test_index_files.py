@@ -101,8 +101,11 @@ def test_a_restart_from_the_file_drafts_as_a_full_rebuild(redis_server, tmp_path
         from_file = restored(redis_server.url, tmp_path / "index")
     assert "read and verified" in caplog.text
     assert from_file.drafter.store.unindexed > 0  # the requests after the file are not indexed yet...
-    full = restored(redis_server.url, tmp_path / "none")  # no file there: every request, one main index
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="drafter_service.namespaces.index_files"):
+        full = restored(redis_server.url, tmp_path / "none")  # no file there: every request, one main index
     assert full.drafter.store.unindexed == 0
+    assert [r.levelname for r in caplog.records if "no index file at" in r.getMessage()] == ["WARNING"]
     assert_same_namespace(from_file, full, contexts)
     assert drafts(restored(redis_server.url, tmp_path / "index"), contexts) == expected
     rebuilt = restored(redis_server.url, tmp_path / "index")
@@ -176,8 +179,11 @@ def test_a_log_position_redis_no_longer_holds_is_reported_and_the_index_rebuilt(
     assert "but the log ends at 10-0 (Redis lost data)" in caplog.text
 
 
-def test_no_file_is_written_while_the_spool_holds_requests(redis_server, tmp_path: Path):
+def test_no_file_is_written_while_the_spool_holds_requests(redis_server, tmp_path: Path, caplog):
     ns = namespace(redis_server.url, tmp_path)
+    with caplog.at_level(logging.INFO, logger="drafter_service.namespaces.index_files"):
+        ns.restore()  # a new namespace: no file and nothing stored is no warning
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "nothing stored yet" in caplog.text
     ns.ingest(requests(3, 20))
     ns.rebuild("main")
     files = ns.index_files
