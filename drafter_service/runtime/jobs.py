@@ -1,4 +1,4 @@
-"""Background jobs (APScheduler): suffix index rebuilds, index files, snapshots, persistence health, metric rollups."""
+"""Background jobs (APScheduler): suffix index rebuilds, index files, snapshots, metric rollups, folder warming."""
 
 from __future__ import annotations
 
@@ -26,17 +26,16 @@ def _logged(name: str, fn: Callable[[], object]) -> Callable[[], None]:
 
 
 def start_jobs(service: DrafterService, rebuild_interval_s: float, snapshot_interval_s: float,
-               health: Callable[[], object] | None = None, metrics: Callable[[], object] | None = None,
-               metrics_interval_s: float = 5.0, warm: FolderWatch | None = None,
-               health_interval_s: float = 2.0, index_files: Callable[[], object] | None = None) -> BackgroundScheduler:
-    """Start the scheduler: rebuild due suffix indexes, snapshot tables, check health, roll up metrics.
+               metrics: Callable[[], object] | None = None, metrics_interval_s: float = 5.0,
+               warm: FolderWatch | None = None, index_files: Callable[[], object] | None = None) -> BackgroundScheduler:
+    """Start the scheduler: rebuild due suffix indexes, snapshot tables, roll up metrics (persistence health runs on
+    a thread of its own, ``PersistenceHealth``).
 
     ``index_files`` (``DrafterService.save_index_files``), when given, runs every ``rebuild_interval_s`` seconds in
     a job of its own, so writing a large index file never holds up the rebuilds.
 
     Each job runs at most once at a time and coalesces missed runs. ``metrics`` (``MetricsRollup.roll``), when
-    given, runs every ``metrics_interval_s`` seconds, and ``health`` (``PersistenceHealth.check``: drain spools,
-    publish the persistence health) every ``health_interval_s``. ``warm`` (``drafter serve --warm-dir``) scans its
+    given, runs every ``metrics_interval_s`` seconds. ``warm`` (``drafter serve --warm-dir``) scans its
     folder at once and then every ``warm.interval_s``.
     """
     scheduler = BackgroundScheduler(daemon=True, job_defaults={"max_instances": 1, "coalesce": True,
@@ -47,8 +46,6 @@ def start_jobs(service: DrafterService, rebuild_interval_s: float, snapshot_inte
                       id="snapshot")
     if index_files is not None:
         scheduler.add_job(_logged("index-file", index_files), "interval", seconds=rebuild_interval_s, id="index-file")
-    if health is not None:
-        scheduler.add_job(_logged("health", health), "interval", seconds=health_interval_s, id="health")
     if metrics is not None:
         scheduler.add_job(_logged("metrics", metrics), "interval", seconds=metrics_interval_s, id="metrics")
     if warm is not None:
