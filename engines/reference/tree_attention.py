@@ -66,7 +66,7 @@ def block_reach(parents: torch.Tensor) -> torch.Tensor:
     if q > 1:
         rows = torch.arange(1, q, device=parents.device)
         cols = (parents + 1).clamp(min=0)
-        reach.index_put_((rows, cols), (parents >= -1).to(torch.float32), accumulate=True)
+        reach.index_put_((rows, cols), (parents >= -1).to(torch.float32))  # one entry per row: a plain scatter
         for _ in range(math.ceil(math.log2(q))):  # paths of up to 2**k edges after k squarings
             reach = (reach @ reach).clamp_(max=1.0)
     return reach > 0.5
