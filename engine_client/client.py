@@ -401,6 +401,41 @@ class DrafterClient(LocalFigures):
         whole = self._fetch_batch(batch, max_nodes, step_seconds, plain_step_seconds, True, closing)
         return whole if whole is not None else step_batch.PackedBatch.of_trees(step_batch.finish(self._book, batch))
 
+    def end_batch_async(self, ends: Sequence[tuple[str, Sequence[int]]]) -> Callable[[], None]:
+        """End sessions as ``draft_batch_packed([], ends=ends)`` would, in a DraftBatch of their own whose answer
+        is not waited for: the service stores them (waiting on its durable log) while the caller's next step call
+        runs beside.
+
+        Returns:
+            ``settle``: call it once, from one thread, before ending more sessions this way: it waits for the
+            answer and settles the sessions (those the service may not have stored go by Ingest), then ends the
+            sessions the service did not hold in step as ``end`` ends them.
+
+        Raises:
+            DrafterRequestError: an unknown session, one that appears twice, or bad token ids (nothing recorded).
+        """
+        book = self._book
+        closing, last = step_batch.check_ends(book, ends, ())
+        book.record_all(closing, last)
+        call = step_batch.BatchCall(pb.DraftBatchRequest(), [], [])
+        ending = step_batch.add_ends(book, call, closing) if self._backoff.ready() else []
+        future = self._stub.DraftBatch.future(call.request, timeout=self.timeout) if ending else None
+
+        def settle() -> None:
+            if future is not None:
+                try:
+                    reply = future.result()
+                except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+                    if isinstance(exc, grpc.RpcError):
+                        step_batch.call_failed(book, self._backoff, call, exc)
+                    self._ended(ending, None)
+                else:
+                    self._backoff.success()
+                    self._ended(ending, reply)
+            self._end_each([state for state in closing if state not in ending])
+
+        return settle
+
     def _fetch_batch(self, batch: step_batch.StepBatch, max_nodes: int, step_seconds: float,
                      plain_step_seconds: float, packed: bool, closing: Sequence[SessionState] = ()
                      ) -> step_batch.PackedBatch | None:
@@ -429,12 +464,16 @@ class DrafterClient(LocalFigures):
                 break
             if not step_batch.took(book, self._backoff, batch, call, reply, max_nodes):
                 break
-        for state in closing:  # not in a call: each as ``end`` does it
+        self._end_each(closing)  # not in a call
+        return out
+
+    def _end_each(self, states: Sequence[SessionState]) -> None:
+        """End sessions one by one, as ``end`` does (a refusal is logged: the request is not stored)."""
+        for state in states:
             try:
                 self.end(state.local_id, ())
             except DrafterRequestError as exc:
                 logger.error("drafter: the service refused a finished request (%s); not stored", exc)
-        return out
 
     def _ended(self, sent: Sequence[SessionState], reply: pb.DraftBatchResponse | None) -> None:
         """Settle the ends a DraftBatch carried: requests it may not have stored go by Ingest (under the session's

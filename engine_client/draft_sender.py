@@ -1,14 +1,18 @@
 """The background half of pre-speculation: one thread sends each engine step's tokens in a DraftBatch and packs
 the trees that come back, while the engine verifies.
 
-The engine's thread only queues what happened (requests opened, tokens appended, requests ended); this thread does
-everything that costs: session bookkeeping, the round trip, decoding and packing the reply. Steps queued while a
-call is out go together in the next call, so the service sees every session's tokens in order, one call at a time.
+The engine's thread only hands over what happened (requests opened, tokens appended, requests ended), once per
+step; this thread does everything that costs: session bookkeeping, the round trip, decoding and packing the reply,
+and indexing each request's context for prompt lookup (after the reply landed, so that it never delays one). Steps
+handed over while a call is out go together in the next call, so the service sees every session's tokens in order,
+one call at a time. While the engine's thread is inside its step (``hold`` to ``send``), this thread starts no work
+of its own: the two never take turns on the interpreter lock in the middle of a step.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,7 +47,7 @@ class Tracked:
         self.ngrams = ContextNgrams()  # its whole context, for prompt lookup where its tree holds no chain
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Opened:
     """A request started: ``prompt`` is its whole context so far. ``ticket`` >= 0: its prompt's tree is drafted in
     the next call, as if a step with that ticket appended nothing (-1: its first tree is its first step's)."""
@@ -53,7 +57,7 @@ class Opened:
     ticket: int = -1
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Stepped:
     """One engine step: row i's request ``reqs[i]`` appended ``new[i]`` and then held ``totals[i]`` tokens."""
 
@@ -63,7 +67,7 @@ class Stepped:
     totals: list[int]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Ended:
     """A request finished: the service stores it."""
 
@@ -84,9 +88,12 @@ class Landed:
     answered: bool = True
 
 
+Item = Opened | Stepped | Ended
+
+
 class DraftSender:
-    """Sends queued steps from a daemon thread; ``on_landed`` gets each reply indexed (chains of at most ``width``
-    tokens, cut under ``min_prob``), ``on_refused`` the service's refusal of this engine's tokens.
+    """Sends what the engine hands over from a daemon thread; ``on_landed`` gets each reply indexed (chains of at
+    most ``width`` tokens, cut under ``min_prob``), ``on_refused`` the service's refusal of this engine's tokens.
 
     Args:
         client: the drafter client (used from this thread only, besides ``close``).
@@ -97,39 +104,46 @@ class DraftSender:
                  on_refused: Callable[[str], None], width: int, min_prob: float = 0.0) -> None:
         self.client, self.max_nodes, self.width, self.min_prob = client, max_nodes, width, min_prob
         self._on_landed, self._on_refused = on_landed, on_refused
-        self._queue: list[Opened | Stepped | Ended] = []
-        self._cv = threading.Condition()
-        self._closing = False
-        self._busy = False
-        self._ready = False  # woken: what is queued may go
+        self._inbox: queue.SimpleQueue[list[Item] | None] = queue.SimpleQueue()
+        self._sent = 0  # lists handed over (the engine's thread counts them)
+        self._handled = 0  # lists handled (this thread counts them)
+        self._gate = threading.Lock()  # held by the engine's thread during its step (``hold``)
+        self._held = False
         self._call_since = 0.0  # time.monotonic() when the call out began (0: none)
         self.cpu_seconds = 0.0  # CPU time this thread spent on what was queued (time it may take from the engine's)
         self._live: dict[int, Tracked] = {}  # id -> request, in the order they opened
         self._thread = threading.Thread(target=self._run, name="drafter-sender", daemon=True)
         self._thread.start()
 
-    def put(self, item: Opened | Stepped | Ended, wake: bool = True) -> None:
-        """Queue what happened (never blocks on the network); ``wake=False`` leaves it for the next ``wake``."""
-        with self._cv:
-            self._queue.append(item)
-            if wake:
-                self._ready = True
-                self._cv.notify()
+    # -- the engine's thread ------------------------------------------------------------------------------
 
-    def wake(self) -> None:
-        """Send what is queued."""
-        with self._cv:
-            self._ready = True
-            self._cv.notify()
+    def hold(self) -> None:
+        """The engine's step begins: this thread starts no new work until ``send`` (or ``let_go``)."""
+        if not self._held:
+            self._gate.acquire()
+            self._held = True
+
+    def let_go(self) -> None:
+        """This thread may work again (the engine's step ended, or it waits for this thread)."""
+        if self._held:
+            self._held = False
+            self._gate.release()
+
+    def send(self, items: list[Item]) -> None:
+        """Hand over what the engine queued (never blocks on the network), and ``let_go``."""
+        self.let_go()
+        if items:
+            self._sent += 1
+            self._inbox.put(items)
 
     @property
     def busy(self) -> bool:
-        """Whether a call is out or queued items wait for one."""
-        return self._busy or bool(self._queue)
+        """Whether a call is out or what was handed over waits for one."""
+        return self._handled < self._sent
 
     def drain(self, timeout: float) -> bool:
-        """Send what is queued and wait until nothing is left to send; False when ``timeout`` passed first."""
-        self.wake()
+        """Wait until nothing handed over is left to send; False when ``timeout`` passed first."""
+        self.let_go()
         deadline = time.monotonic() + timeout
         while self.busy:
             if time.monotonic() > deadline:
@@ -143,55 +157,79 @@ class DraftSender:
         return bool(since) and time.monotonic() - since > seconds
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued (ending every open request's session is the caller's part), then stop."""
-        with self._cv:
-            self._closing = True
-            self._cv.notify()
+        """Send what was handed over (ending every open request's session is the caller's part), then stop."""
+        self.let_go()
+        self._inbox.put(None)
         self._thread.join(timeout)
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._queue and self._ready) and not self._closing:
-                    self._cv.wait()
-                items, self._queue, self._ready = self._queue, [], False
-                if not items and self._closing:
-                    return
-                self._busy = True
-            started = time.thread_time()
-            try:
-                self._handle(items)
-            except Exception:
-                logger.exception("drafter: a step's drafts were lost")
-            finally:
-                self.cpu_seconds += time.thread_time() - started
-                self._busy = False
+    # -- this thread ------------------------------------------------------------------------------------------
 
-    def _handle(self, items: Sequence[Opened | Stepped | Ended]) -> None:
+    def _wait_turn(self) -> None:
+        """Wait while the engine's thread is inside its step."""
+        with self._gate:
+            pass
+
+    def _run(self) -> None:
+        inbox = self._inbox
+        while True:
+            first = inbox.get()
+            closing = first is None
+            items = first or []
+            taken = 0 if closing else 1
+            while not closing:  # whatever else was handed over goes in the same call
+                try:
+                    more = inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    closing = True
+                else:
+                    items += more
+                    taken += 1
+            if items:
+                self._wait_turn()
+                started = time.thread_time()
+                try:
+                    self._handle(items)
+                except Exception:
+                    logger.exception("drafter: a step's drafts were lost")
+                finally:
+                    self.cpu_seconds += time.thread_time() - started
+            self._handled += taken
+            if closing:
+                return
+
+    def _handle(self, items: Sequence[Item]) -> None:
         ended: list[Tracked] = []
         ticket = -1
         totals: dict[int, int] = {}
         fresh: set[int] = set()  # requests drafted for though they appended nothing (their prompt's tree)
+        index: list[tuple[Tracked, list[int]]] = []  # what prompt lookup indexes once the reply landed
         for item in items:
-            if isinstance(item, Opened):
+            if isinstance(item, Stepped):
+                ticket = item.ticket
+                for req, toks, total in zip(item.reqs, item.new, item.totals, strict=True):
+                    req.unsent += toks
+                    index.append((req, toks))
+                    totals[id(req)] = total
+            elif isinstance(item, Opened):
+                index.append((item.req, item.prompt))
                 self._open(item)
                 if item.ticket >= 0 and item.req.session:
                     ticket = item.ticket
                     totals[id(item.req)] = len(item.prompt)
                     fresh.add(id(item.req))
-            elif isinstance(item, Stepped):
-                ticket = item.ticket
-                for req, toks, total in zip(item.reqs, item.new, item.totals, strict=True):
-                    req.unsent += toks
-                    req.ngrams.extend(toks)
-                    totals[id(req)] = total
             else:
                 ended.append(item.req)
                 self._live.pop(id(item.req), None)
-        self._draft(ticket, totals, [req for req in ended if req.session], fresh)
+        try:
+            self._draft(ticket, totals, [req for req in ended if req.session], fresh)
+        finally:
+            self._wait_turn()
+            for req, toks in index:
+                req.ngrams.extend(toks)
 
     def _open(self, item: Opened) -> None:
-        item.req.ngrams.extend(item.prompt)
         try:
             item.req.session = self.client.start(item.prompt, open_now=False)
         except DrafterRequestError as exc:
@@ -201,27 +239,39 @@ class DraftSender:
 
     def _draft(self, ticket: int, totals: dict[int, int], ended: list[Tracked], fresh: set[int]) -> None:
         """One DraftBatch with every live request's unsent tokens (and the requests of ``fresh``, by id, with none),
-        each getting a tree for its new context, that also ends the requests in ``ended`` (the service stores
-        them)."""
+        each getting a tree for its new context; the requests in ``ended`` end (the service stores them) in a call
+        of their own beside it, whose answer is settled once the trees landed."""
         reqs = [r for r in self._live.values() if r.unsent or id(r) in fresh]
         if not reqs and not ended:
             return
         items = [(r.session, r.unsent) for r in reqs]
         t0 = time.perf_counter()
         self._call_since = time.monotonic()
+        settle = None
         try:
-            trees = self.client.draft_batch_packed(items, self.max_nodes, ends=[(r.session, r.unsent) for r in ended])
+            if ended:
+                settle = self.client.end_batch_async([(r.session, r.unsent) for r in ended])
+                for r in ended:
+                    r.unsent = []
+            trees = self.client.draft_batch_packed(items, self.max_nodes) if reqs else None
         except DrafterRequestError as exc:
             self._on_refused(str(exc))
+            if settle is not None:
+                settle()
             return
         finally:
             self._call_since = 0.0
-        for r in (*reqs, *ended):
+        for r in reqs:
             r.unsent = []
         answered = self.client.available
-        if answered and self.client.buffered:  # requests that ended while the service was away
+        if trees is not None:
+            waited = time.perf_counter()
+            self._wait_turn()
+            waited = time.perf_counter() - waited  # the engine's step, not part of the round trip
+            packed = PackedTrees.of_batch(trees, self.width, self.min_prob)
+            self._on_landed(Landed(ticket, reqs, [totals.get(id(r), r.total) for r in reqs], packed,
+                                   time.perf_counter() - t0 - waited, answered))
+        if settle is not None:
+            settle()
+        if self.client.available and self.client.buffered:  # requests that ended while the service was away
             self.client.flush()
-        if reqs:
-            self._on_landed(Landed(ticket, reqs, [totals.get(id(r), r.total) for r in reqs],
-                                   PackedTrees.of_batch(trees, self.width, self.min_prob),
-                                   time.perf_counter() - t0, answered))

@@ -28,7 +28,7 @@ from drafter_service.api.backoff import BackoffClock, ExponentialBackoff
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
 from drafter_service.api.tree import chain as chain_tree
 from engine_client.client import DrafterClient
-from engine_client.draft_sender import DraftSender, Ended, Landed, Opened, Stepped, Tracked
+from engine_client.draft_sender import DraftSender, Ended, Item, Landed, Opened, Stepped, Tracked
 from engine_client.packed_trees import PackedTrees
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ class PreSpeculator:
         self._breaker = BackoffClock(ExponentialBackoff(0.1, 5.0))
         self._last_step = 0.0
         self._last_batch: tuple[int, ...] = ()
+        self._queued: list[Item] = []  # what happened since the last ``release``, handed to the sender then
         self._sender = DraftSender(client, max_nodes, self._land, self._refuse, k, min_prob)
 
     # -- the engine's thread -------------------------------------------------------------------------------
@@ -119,14 +120,14 @@ class PreSpeculator:
         req = Tracked(list(prompt[-self.history:]), len(prompt))
         if draft:
             self._ticket += 1
-            self._sender.put(Opened(req, list(prompt), self._ticket), wake=False)
+            self._queued.append(Opened(req, list(prompt), self._ticket))
         else:
-            self._sender.put(Opened(req, list(prompt)), wake=False)
+            self._queued.append(Opened(req, list(prompt)))
         return req
 
     def close(self, req: Tracked) -> None:
         """The request finished: its session ends (the service stores it) once ``release`` is called."""
-        self._sender.put(Ended(req), wake=False)
+        self._queued.append(Ended(req))
 
     def step(self, reqs: Sequence[Tracked], new: Sequence[list[int]], max_lengths: Sequence[int]) -> Chains:
         """Record each row's new tokens and return its chain for the new context.
@@ -136,26 +137,50 @@ class PreSpeculator:
             new: tokens each row appended since its last step (accepted draft tokens and the target's own).
             max_lengths: most chain tokens per row (0: no chain wanted).
         """
+        self._sender.hold()
         fig = self.figures
         ticket = self._record(reqs, new, True)
+        tokens: list[list[int]] = []
+        probs: list[list[float]] = []
         if self.prespeculate:
-            tokens, probs = self._lookup(reqs, max_lengths)
-            from_trees = sum(1 for t in tokens if t)
-            missed = sum(1 for t, m in zip(tokens, max_lengths, strict=True) if not t and m > 0)
+            from_trees = missed = looked_up = 0
+            cut = self._cut
+            chain: list[int]
+            estimates: list[float]
+            for req, max_len in zip(reqs, max_lengths, strict=True):
+                if max_len <= 0:
+                    chain, estimates = [], []
+                else:
+                    chain, estimates = cut(req, req.landed, max_len)
+                    if not chain and req.earlier[1] is not None:  # the last chain was often cut from that one
+                        chain, estimates = cut(req, req.earlier, max_len)
+                    if chain:
+                        from_trees += 1
+                    else:  # prompt lookup over its own context, before the wait rule weighs it
+                        missed += 1
+                        chain, match = req.ngrams.chain(req.recent, max_len)
+                        if chain:
+                            estimates = lookup_estimates(match, len(chain))
+                            looked_up += 1
+                req.proposed = len(chain)
+                tokens.append(chain)
+                probs.append(estimates)
             fig.hits += from_trees
             fig.misses += missed
-            looked_up = self._look_up_missing(reqs, max_lengths, tokens, probs) if missed else 0
+            fig.looked_up += looked_up
             hits, missed = from_trees + looked_up, missed - looked_up  # with a chain, from a tree or a lookup
         else:
-            tokens, probs = [[] for _ in reqs], [[] for _ in reqs]
+            for req in reqs:
+                req.proposed = 0
+                tokens.append([])
+                probs.append([])
             hits, missed = 0, sum(1 for m in max_lengths if m > 0)
         if missed and self._waited(ticket, missed, len(reqs), hits):
             fresh, fresh_probs = self._lookup(reqs, max_lengths)  # drafted for this very context
             for i, chain in enumerate(fresh):
                 if chain:
                     tokens[i], probs[i] = chain, fresh_probs[i]
-        for req, chain in zip(reqs, tokens, strict=True):
-            req.proposed = len(chain)
+                    reqs[i].proposed = len(chain)
         self._last_step = self.clock()
         return tokens, probs
 
@@ -175,6 +200,7 @@ class PreSpeculator:
             new: tokens each row appended since its last step (accepted draft tokens and the target's own).
             max_nodes: most nodes per row (0: no tree wanted).
         """
+        self._sender.hold()
         fig = self.figures
         ticket = self._record(reqs, new, any(new))
         if self.prespeculate:
@@ -199,11 +225,13 @@ class PreSpeculator:
 
     def release(self) -> None:
         """The engine's thread is done with this step: the sender may send what is queued."""
-        self._sender.wake()
+        queued, self._queued = self._queued, []
+        self._sender.send(queued)
 
     def drain(self, timeout: float = 5.0) -> bool:
         """Send what is queued (opened, stepped and ended requests) and wait until it was sent; False when
         ``timeout`` passed first."""
+        self.release()
         return self._sender.drain(timeout)
 
     def proposed(self, reqs: Sequence[Tracked], lengths: Sequence[int]) -> None:
@@ -219,6 +247,7 @@ class PreSpeculator:
 
     def close_all(self) -> None:
         """Stop the sender after what is queued was sent."""
+        self.release()
         self._sender.close()
 
     def _record(self, reqs: Sequence[Tracked], new: Sequence[list[int]], queue: bool) -> int:
@@ -247,7 +276,7 @@ class PreSpeculator:
             fig.accepted_per_chain += EMA * (accepted / chains_proposed - fig.accepted_per_chain)
         if queue:
             self._ticket += 1
-            self._sender.put(Stepped(self._ticket, list(reqs), list(new), [r.total for r in reqs]), wake=False)
+            self._queued.append(Stepped(self._ticket, list(reqs), list(new), [r.total for r in reqs]))
         return self._ticket
 
     def _lookup(self, reqs: Sequence[Tracked], max_lengths: Sequence[int]) -> Chains:
@@ -263,20 +292,6 @@ class PreSpeculator:
             probs.append(estimates)
         return tokens, probs
 
-    def _look_up_missing(self, reqs: Sequence[Tracked], max_lengths: Sequence[int], tokens: list[list[int]],
-                         probs: list[list[float]]) -> int:
-        """Chains by prompt lookup over their own context for the rows that want one and have none; returns how
-        many rows got one."""
-        found = 0
-        for i, (req, max_len) in enumerate(zip(reqs, max_lengths, strict=True)):
-            if max_len > 0 and not tokens[i]:
-                chain, n = req.ngrams.chain(req.recent, max_len)
-                if chain:
-                    tokens[i], probs[i] = chain, lookup_estimates(n, len(chain))
-                    found += 1
-        self.figures.looked_up += found
-        return found
-
     def _lookup_trees(self, reqs: Sequence[Tracked], max_nodes: Sequence[int]) -> list[DraftTree]:
         """``_lookup`` for trees: each row's subtree below what it appended since its latest tree, else since the
         tree before it."""
@@ -290,8 +305,8 @@ class PreSpeculator:
 
     def _look_up_missing_trees(self, reqs: Sequence[Tracked], max_nodes: Sequence[int], trees: list[DraftTree]
                                ) -> int:
-        """``_look_up_missing`` for trees: a prompt-lookup chain (of at most ``k`` tokens) for each row that wants
-        a tree and has none; returns how many rows got one."""
+        """Prompt lookup for trees: a chain (of at most ``k`` tokens) for each row that wants a tree and has none;
+        returns how many rows got one."""
         found = 0
         for i, (req, n) in enumerate(zip(reqs, max_nodes, strict=True)):
             if n > 0 and not trees[i]:
@@ -349,7 +364,7 @@ class PreSpeculator:
     def _wait_for(self, ticket: int, seconds: float) -> bool:
         """Wait up to ``seconds`` for the answer carrying ``ticket``; a late answer opens the breaker."""
         self.figures.waits += 1
-        self._sender.wake()
+        self.release()  # the step's tokens go now, and the sender may land the answer
         deadline = time.monotonic() + seconds
         with self._landed:
             while self._answered < ticket and self._failed < ticket and not self.refused:
@@ -358,6 +373,7 @@ class PreSpeculator:
                     break
                 self._landed.wait(left)
             answered = self._answered >= ticket
+        self._sender.hold()  # the rest of the step
         if answered:
             self._breaker.reset()
         else:

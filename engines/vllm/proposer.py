@@ -254,10 +254,11 @@ class DrafterProposer:
                     return [[] for _ in range(rows)]
                 try:
                     req_ids = batch.req_ids[:rows]
-                    if tuple(req_ids) != tracker.last_rows:  # rows changed: some requests may have finished
+                    ids = tuple(req_ids)
+                    if ids != tracker.last_rows:  # rows changed: some requests may have finished
                         self._end_finished(tracker)
-                    drafts = tracker.step(req_ids, batch.num_prompt_tokens[:rows], sampled_token_ids,
-                                          num_tokens_no_spec, token_ids_cpu)
+                    drafts = tracker.step(req_ids, batch.num_prompt_tokens, sampled_token_ids, num_tokens_no_spec,
+                                          token_ids_cpu, ids)
                 except Exception:
                     tracker.figures.failures += 1
                     logger.exception("drafter: this step gets no drafts")

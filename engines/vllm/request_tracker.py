@@ -98,23 +98,24 @@ class RequestTracker:
         self._last_began = 0.0
 
     def step(self, req_ids: Sequence[str], prompt_lens: Sequence[int], sampled: Sequence[Sequence[int]],
-             num_tokens: Any, token_ids: Any) -> list[list[int]]:
+             num_tokens: Any, token_ids: Any, ids: tuple[str, ...] | None = None) -> list[list[int]]:
         """Drafts for one engine step: a chain (plain ints, at most ``k``) per row of ``sampled``.
 
         Args:
             req_ids: the request id of each row.
-            prompt_lens: each row's prompt length.
+            prompt_lens: each row's prompt length (read for the rows of requests seen for the first time).
             sampled: tokens each row gained this step ([] for a prefill still in progress: it gets no draft).
             num_tokens: (rows,) each row's token count (prompt and output, this step's tokens included).
             token_ids: (rows, max_model_len) array; row i's first ``num_tokens[i]`` entries are its tokens.
+            ids: ``tuple(req_ids[:len(sampled)])`` when the caller has it already.
         """
         began = self.clock()
         rows = len(sampled)
         fig = self.figures
         fig.steps += 1
         fig.rows += rows
-        out: list[list[int]] = [[] for _ in range(rows)]
-        ids = tuple(req_ids[:rows])
+        if ids is None:
+            ids = tuple(req_ids[:rows])
         counts = num_tokens[:rows].tolist() if hasattr(num_tokens, "tolist") else list(num_tokens[:rows])
         at: list[int] = []
         reqs: list[_Request] = []
@@ -133,26 +134,35 @@ class RequestTracker:
                 # the engine went on past a token taken for a stop (it applies stops it was not given): follow the
                 # request again, to its token limit alone
                 q.done, q.stops = False, frozenset()
-            upto = min(n, q.limit)
             if q.known + len(got) == n and n <= q.limit:
                 toks = list(got)  # the usual step: the sampled tokens are exactly what the row gained
             else:
+                upto = min(n, q.limit)
                 toks = token_ids[i, q.known:upto].tolist() if upto > q.known else []
             if q.stops and not q.stops.isdisjoint(toks):
                 stop = next(j for j, tok in enumerate(toks) if tok in q.stops)
                 del toks[stop + 1:]
                 q.done = True
             q.known += len(toks)
-            q.done = q.done or q.known >= q.limit
+            if q.done or q.known >= q.limit:
+                q.done = True
+                room.append(0)
+            else:
+                room.append(min(k, max_len - n - 1) if max_len - n - 1 > 0 else 0)
             at.append(i)
             reqs.append(q)
             new.append(toks)
-            room.append(0 if q.done else max(0, min(k, max_len - n - 1)))
-        if reqs:
-            chains = self._draft(reqs, new, room, rows)
+        draft_tokens = 0
+        if not reqs:
+            out: list[list[int]] = [[] for _ in range(rows)]
+        elif len(at) == rows:  # every row has its request's new tokens: chains in row order
+            out, draft_tokens = self._draft(reqs, new, room, rows)
+        else:
+            out = [[] for _ in range(rows)]
+            chains, draft_tokens = self._draft(reqs, new, room, rows)
             for i, chain in zip(at, chains, strict=True):
                 out[i] = chain
-        self._time_step(began, ids, all(sampled), rows + sum(map(len, out)))
+        self._time_step(began, ids, all(sampled), rows + draft_tokens)
         return out
 
     def _open(self, req_id: str, prompt_len: int, row: Any) -> _Request:
@@ -162,30 +172,35 @@ class RequestTracker:
         self.figures.opened += 1
         return q
 
-    def _draft(self, reqs: list[_Request], new: list[list[int]], room: list[int], rows: int) -> list[list[int]]:
-        """Record the rows' new tokens and cut their chains (by the budget, when there is one)."""
-        self._learn(reqs, new)
-        tokens, probs = self.speculator.step([q.req for q in reqs], new, room)
+    def _draft(self, reqs: list[_Request], new: list[list[int]], room: list[int], rows: int
+               ) -> tuple[list[list[int]], int]:
+        """Record the rows' new tokens and cut their chains (by the budget, when there is one); returns the chains
+        and their tokens."""
+        handles = [q.req for q in reqs]
+        budget = self.budget
+        if budget is not None:
+            self._learn(reqs, new)
+        tokens, probs = self.speculator.step(handles, new, room)
         offered = sum(map(len, tokens))
-        self.figures.offered_tokens += offered
-        if self.budget is not None and offered:
-            keep = self.budget.choose_batch(probs, self.k, base_tokens=rows)
-            tokens = [t[:n] for t, n in zip(tokens, keep, strict=True)]
-            self.speculator.proposed([q.req for q in reqs], keep)
-            self.figures.cost_points = self.budget.curve.points()
-            self.figures.acceptance_gamma = self.budget.calibration.gamma
-        for q, t, p in zip(reqs, tokens, probs, strict=True):
-            q.probs = p[:len(t)]
-        drafted = sum(1 for t in tokens if t)
-        self.figures.drafted_rows += drafted
-        self.figures.draft_tokens += sum(map(len, tokens))
-        return tokens
+        fig = self.figures
+        fig.offered_tokens += offered
+        if budget is not None:
+            if offered:
+                keep = budget.choose_batch(probs, self.k, base_tokens=rows)
+                tokens = [t[:n] for t, n in zip(tokens, keep, strict=True)]
+                self.speculator.proposed(handles, keep)
+                fig.cost_points = budget.curve.points()
+                fig.acceptance_gamma = budget.calibration.gamma
+                offered = sum(map(len, tokens))
+            for q, t, p in zip(reqs, tokens, probs, strict=True):
+                q.probs = p[:len(t)]
+        fig.drafted_rows += sum(map(bool, tokens))
+        fig.draft_tokens += offered
+        return tokens, offered
 
     def _learn(self, reqs: list[_Request], new: list[list[int]]) -> None:
         """Teach the budget's calibration which tokens of the chains proposed last were accepted (a row gains its
-        accepted draft tokens plus the target's own)."""
-        if self.budget is None:
-            return
+        accepted draft tokens plus the target's own). Only with a budget."""
         estimates: list[float] = []
         outcomes: list[bool] = []
         for q, toks in zip(reqs, new, strict=True):
@@ -194,7 +209,7 @@ class RequestTracker:
                 estimates += q.probs
                 outcomes += [j < accepted for j in range(len(q.probs))]
                 q.probs = []
-        if estimates:
+        if estimates and self.budget is not None:
             self.budget.calibration.observe(estimates, outcomes)
 
     def _time_step(self, began: float, ids: tuple[str, ...], all_sampled: bool, tokens: int) -> None:

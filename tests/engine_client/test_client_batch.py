@@ -49,16 +49,21 @@ def packed_trees(client: DrafterClient, items, max_nodes: int, ends=()) -> list[
 
 
 def run_engine(client: DrafterClient, requests, batched: bool, max_nodes: int = 8, packed: bool = False,
-               ends_in_batch: bool = False) -> list[list]:
+               ends_in_batch: bool = False, ends_beside: bool = False) -> list[list]:
     """Generate every request at once, one engine step at a time; returns the trees of each step. With
-    ``ends_in_batch`` the requests that finished end in the next step's call (``draft_batch_packed``'s ``ends``)."""
+    ``ends_in_batch`` the requests that finished end in the next step's call (``draft_batch_packed``'s ``ends``);
+    with ``ends_beside`` in a call of their own sent just before it (``end_batch_async``), settled after it."""
     sids = [client.start(p) for p, _ in requests]
     pos, pending, steps = [0] * len(requests), [[] for _ in requests], []
     live = list(range(len(requests)))
     finished: list[tuple[str, list[int]]] = []
     while live:
         items = [(sids[i], pending[i]) for i in live]
-        if packed or ends_in_batch:
+        if ends_beside:
+            settle = client.end_batch_async(finished)
+            trees, finished = packed_trees(client, items, max_nodes), []
+            settle()
+        elif packed or ends_in_batch:
             trees, finished = packed_trees(client, items, max_nodes, finished), []
         else:
             trees = client.draft_batch(items, max_nodes) if batched else [client.draft(s, a, max_nodes)
@@ -71,7 +76,7 @@ def run_engine(client: DrafterClient, requests, batched: bool, max_nodes: int = 
             pending[i] = output[pos[i]:pos[i] + n + 1]
             pos[i] += len(pending[i])
         for i in [i for i in live if pos[i] >= len(requests[i][1])]:
-            if ends_in_batch:
+            if ends_in_batch or ends_beside:
                 finished.append((sids[i], pending[i]))
             else:
                 client.end(sids[i], pending[i])
@@ -127,7 +132,9 @@ def test_with_reuse_the_service_still_stores_every_token(two_addresses):
     assert len(steps) < max(len(o) for _, o in requests)
 
 
-def test_finished_requests_end_in_the_next_steps_call_and_are_stored_whole(two_addresses, monkeypatch):
+@pytest.mark.parametrize("beside", [False, True])
+def test_finished_requests_end_in_the_next_steps_call_and_are_stored_whole(two_addresses, monkeypatch, beside):
+    """In the step's DraftBatch (``ends``), or in a DraftBatch of their own beside it (``end_batch_async``)."""
     requests = workload(4, 6)
     with DrafterClient(two_addresses[0], reuse=False) as client:
         client.ingest(workload(1, 10))
@@ -137,12 +144,26 @@ def test_finished_requests_end_in_the_next_steps_call_and_are_stored_whole(two_a
 
         monkeypatch.setattr(client._stub, "EndSession", no_end_session)
         before = client.stats()
-        steps = run_engine(client, requests, batched=True, ends_in_batch=True)
+        steps = run_engine(client, requests, batched=True, ends_in_batch=not beside, ends_beside=beside)
         after = client.stats()
         assert any(len(tree) for step in steps for tree in step)
         assert after["stored_requests"] - before["stored_requests"] == len(requests)
         assert after["stored_tokens"] - before["stored_tokens"] == sum(len(p) + len(o) + 1 for p, o in requests)
         assert after["active_sessions"] == 0 and client.buffered == 0
+
+
+def test_ends_beside_the_step_store_each_request_once_even_one_the_service_never_held(two_addresses):
+    with DrafterClient(two_addresses[0]) as client:
+        a, b = client.start([1, 2, 3]), client.start([4, 5], open_now=False)  # b: never opened on the service
+        client.draft_batch_packed([(a, [7])])
+        for ends in ([("nobody", [2])], [(b, [VOCAB])], [(a, [1]), (a, [2])]):
+            with pytest.raises(DrafterRequestError):
+                client.end_batch_async(ends)
+        settle = client.end_batch_async([(a, [8]), (b, [9])])
+        settle()
+        stats = client.stats()
+        # each request once with its separator (b by Ingest), nothing of the refused calls
+        assert stats["stored_tokens"] == (3 + 2 + 1) + (2 + 1 + 1) and stats["active_sessions"] == 0
 
 
 def test_an_end_in_a_batch_that_is_wrong_raises_before_anything_is_recorded(two_addresses):

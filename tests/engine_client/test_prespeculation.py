@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -20,6 +21,7 @@ from drafter_service.service.config import ServiceConfig
 from engine_client import DrafterClient
 from engine_client.packed_trees import PackedTrees
 from engine_client.prespeculation import PreSpeculator
+from engine_client.step_batch import PackedBatch
 
 VOCAB = 300
 K = 4
@@ -298,4 +300,49 @@ def test_the_first_empty_step_waits_for_the_prompts_tree_when_the_engine_step_is
     spec.release()
     assert accept_greedy(got, DOC[30:])[0] >= 4
     assert (spec.figures.waits - waits, spec.figures.late) == (1, 0)
+    spec.close_all()
+
+
+class HeldClient:
+    """A client whose DraftBatch answers only when the test lets it (``answer``); each answer is one chain."""
+
+    available, buffered = True, 0
+
+    def __init__(self) -> None:
+        self.answer = threading.Event()
+        self.calls = 0
+
+    def start(self, prompt, open_now: bool = True) -> str:
+        return "s"
+
+    def draft_batch_packed(self, items, max_nodes: int = 0):
+        self.calls += 1
+        assert self.answer.wait(5)
+        self.answer.clear()
+        return PackedBatch.of_trees([tree((7, 8), (-1, 0), (0.9, 0.8))] * len(items))
+
+    def flush(self) -> None:
+        pass
+
+
+def test_an_answer_that_comes_back_while_the_engine_steps_lands_once_the_step_ended():
+    """The sender starts no work of its own while the engine's thread is inside its step (between ``step`` and
+    ``release``): it would take turns with it on the interpreter lock."""
+    client = HeldClient()
+    spec = PreSpeculator(client, K, 32)  # type: ignore[arg-type]
+    req = spec.open([1, 2, 3])
+    spec.step([req], [[4]], [K])
+    spec.release()
+    deadline = time.monotonic() + 5
+    while not client.calls:  # the step's call is out
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    spec.step([req], [[5]], [K])  # the engine's next step begins: the answer comes back now
+    client.answer.set()
+    time.sleep(0.1)
+    assert req.landed[1] is None  # not landed while the engine's thread is inside its step
+    spec.release()
+    landed(req)
+    assert req.landed[0] == 4
+    client.answer.set()  # the second step's call
     spec.close_all()

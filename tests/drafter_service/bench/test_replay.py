@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 import numpy as np
@@ -174,6 +174,13 @@ class CoreClient:
         for session, accepted in ends:  # last, as the service takes them
             self.end(session, accepted)
         return trees
+
+    def end_batch_async(self, ends: Sequence[tuple[str, Sequence[int]]]) -> Callable[[], None]:
+        def settle() -> None:  # once the step's trees were drafted, as the service answers them
+            for session, accepted in ends:
+                self.end(session, accepted)
+
+        return settle
 
     def end(self, session: str, accepted: Sequence[int]) -> None:
         self.core.end(session, accepted)
