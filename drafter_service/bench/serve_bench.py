@@ -159,6 +159,11 @@ def _pct(xs: list[float]) -> str:
 def run_serve_bench(args: argparse.Namespace) -> int:
     """Fill a service with ShareGPT requests, timing drafts during and after the ingest, then measure latency,
     throughput, rebuild impact, footprint and restarts after SIGKILL with and without the index file."""
+    if args.work_dir:  # a folder that is not there yet is made (one that cannot be is a clear error)
+        try:
+            Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(f"--work-dir {args.work_dir}: {exc.strerror or exc}") from None
     print(f"Machine: {machine()}")
     requests = load_dataset("sharegpt", 3000)
     held, fill = requests[-300:], requests[:-300]
