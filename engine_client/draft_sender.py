@@ -247,31 +247,29 @@ class DraftSender:
         items = [(r.session, r.unsent) for r in reqs]
         t0 = time.perf_counter()
         self._call_since = time.monotonic()
-        settle = None
+        settle: Callable[[], None] | None = None
         try:
             if ended:
                 settle = self.client.end_batch_async([(r.session, r.unsent) for r in ended])
                 for r in ended:
                     r.unsent = []
             trees = self.client.draft_batch_packed(items, self.max_nodes) if reqs else None
+            self._call_since = 0.0
+            for r in reqs:
+                r.unsent = []
+            if trees is not None:
+                answered = self.client.available
+                waited = time.perf_counter()
+                self._wait_turn()
+                waited = time.perf_counter() - waited  # the engine's step, not part of the round trip
+                packed = PackedTrees.of_batch(trees, self.width, self.min_prob)
+                self._on_landed(Landed(ticket, reqs, [totals.get(id(r), r.total) for r in reqs], packed,
+                                       time.perf_counter() - t0 - waited, answered))
         except DrafterRequestError as exc:
             self._on_refused(str(exc))
-            if settle is not None:
-                settle()
-            return
         finally:
             self._call_since = 0.0
-        for r in reqs:
-            r.unsent = []
-        answered = self.client.available
-        if trees is not None:
-            waited = time.perf_counter()
-            self._wait_turn()
-            waited = time.perf_counter() - waited  # the engine's step, not part of the round trip
-            packed = PackedTrees.of_batch(trees, self.width, self.min_prob)
-            self._on_landed(Landed(ticket, reqs, [totals.get(id(r), r.total) for r in reqs], packed,
-                                   time.perf_counter() - t0 - waited, answered))
-        if settle is not None:
-            settle()
+            if settle is not None:  # the ends' own call, whatever became of the step's
+                settle()
         if self.client.available and self.client.buffered:  # requests that ended while the service was away
             self.client.flush()

@@ -111,6 +111,33 @@ class PackedTrees:
             estimates.append(p)
         return tokens, estimates
 
+    def chain_after(self, code: int, path: Sequence[int], start: int, max_len: int) -> tuple[list[int], list[float]]:
+        """``chain`` below the code reached by following ``path[start:]`` down from ``code`` (``descend``), in one
+        call: what pre-speculation asks for every row; ([], []) where the path leaves the tree."""
+        edges = self.edges
+        for i in range(start, len(path)):
+            code = edges.get((code << 32) | path[i], -1)
+            if code < 0:
+                return [], []
+        best, prob, token, min_prob = self.best, self.prob, self.token, self.min_prob
+        base = prob[code]
+        if base <= 0.0:
+            base = 1.0
+        tokens: list[int] = []
+        estimates: list[float] = []
+        for _ in range(min(max_len, self.width)):
+            code = best[code]
+            if code < 0:
+                break
+            p = prob[code] / base
+            if p > 1.0:
+                p = 1.0
+            if p < min_prob or p <= 0.0:
+                break
+            tokens.append(token[code])
+            estimates.append(p)
+        return tokens, estimates
+
     def subtree(self, code: int, max_nodes: int) -> DraftTree:
         """The part of ``code``'s tree strictly below it, re-rooted there (``DraftTree.subtree``), cut to its first
         ``max_nodes`` nodes in the tree's order (best first as the service drafts it, so the cut is the best tree

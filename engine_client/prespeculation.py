@@ -321,11 +321,11 @@ class PreSpeculator:
              ) -> tuple[list[int], list[float]]:
         """The chain below the request's tokens since ``landed``'s context, in its tree (empty: none)."""
         base, tree, root = landed
+        recent = req.recent
         span = req.total - base
-        if tree is None or not 0 <= span <= min(self.history, len(req.recent)):
+        if tree is None or not 0 <= span <= self.history or span > len(recent):
             return [], []
-        code = tree.descend(root, req.recent[len(req.recent) - span:]) if span else root
-        return tree.chain(code, max_len) if code >= 0 else ([], [])
+        return tree.chain_after(root, recent, len(recent) - span, max_len)
 
     def _subtree(self, req: Tracked, landed: tuple[int, PackedTrees | None, int], max_nodes: int) -> DraftTree:
         """``_cut`` for trees: the subtree below the request's tokens since ``landed``'s context (empty: none)."""

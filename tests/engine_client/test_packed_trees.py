@@ -75,7 +75,7 @@ def naive_chain(tree: DraftTree, path: list[int], max_len: int) -> list[int] | N
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(trees(), min_size=1, max_size=4), st.data())
-def test_descend_and_chain_match_a_walk_over_each_tree(forest, data):
+def test_descend_and_chain_match_a_walk_over_each_tree_and_chain_after_is_both(forest, data):
     packed = PackedTrees.from_trees(forest, width=5)
     for t, tree in enumerate(forest):
         path = data.draw(st.lists(st.integers(0, 6), max_size=3))
@@ -87,3 +87,6 @@ def test_descend_and_chain_match_a_walk_over_each_tree(forest, data):
         else:
             assert code >= 0
             assert packed.chain(code, max_len)[0] == expected
+        before = data.draw(st.lists(st.integers(0, 6), max_size=2))  # tokens before the path: not followed
+        assert packed.chain_after(t, before + path, len(before), max_len) == (
+            packed.chain(code, max_len) if code >= 0 else ([], []))
