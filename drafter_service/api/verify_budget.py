@@ -145,6 +145,30 @@ class StepCostCurve:
         est = t0 + (t1 - t0) * (nodes - n0) / (n1 - n0) if n1 > n0 else t1
         return max(est, 0.5 * t0)
 
+    def seconds_run(self, first: int, count: int) -> list[float]:
+        """``[seconds(n) for n in range(first, first + count)]``, walking the points once instead of searching them
+        for every size (the same values)."""
+        pts = self.points()
+        if not pts:
+            return [0.0] * count
+        last_n, last_t = pts[-1]
+        out: list[float] = []
+        nodes = first
+        end = first + count
+        if len(pts) > 1:
+            sizes = self._sizes
+            at = bisect.bisect_left(sizes, nodes)
+            while nodes < end and nodes < last_n:
+                while sizes[at] < nodes:  # bisect_left(sizes, nodes); nodes < the last size, so it stops there
+                    at += 1
+                i = max(1, at)
+                (n0, t0), (n1, t1) = pts[i - 1], pts[i]
+                est = t0 + (t1 - t0) * (nodes - n0) / (n1 - n0) if n1 > n0 else t1
+                out.append(max(est, 0.5 * t0))
+                nodes += 1
+        out += [last_t] * (end - nodes)
+        return out
+
     def plain_seconds(self) -> float:
         """``t(0)``: seconds of a plain decode step, estimated; 0 before any step."""
         return self.seconds(0)
@@ -224,6 +248,7 @@ class AcceptanceCalibration:
         self._accepted = [0.0] * bins
         self._log_p = [0.0] * bins  # decayed sum of ln(estimate) of the nodes seen in each bin
         self._gamma: float | None = 1.0
+        self._last_gamma = 1.0  # the last fit, where the next one starts
 
     def _bin(self, p: float) -> int:
         if p <= 0.0:
@@ -235,38 +260,66 @@ class AcceptanceCalibration:
         if not len(probs):
             return
         d = self.decay
-        for b in range(self.bins):
-            self._seen[b] *= d
-            self._accepted[b] *= d
-            self._log_p[b] *= d
+        seen = self._seen = [x * d for x in self._seen]
+        took = self._accepted = [x * d for x in self._accepted]
+        log_p = self._log_p = [x * d for x in self._log_p]
+        last, width, log = self.bins - 1, self.bin_width, math.log
         for p, ok in zip(probs, accepted, strict=True):
-            b = self._bin(float(p))
-            self._seen[b] += 1.0
-            self._accepted[b] += 1.0 if ok else 0.0
-            self._log_p[b] += math.log(max(float(p), 1e-9))
+            p = float(p)
+            b = last if p <= 0.0 else min(last, max(0, int(-log(min(p, 1.0)) / width)))  # ``_bin``
+            seen[b] += 1.0
+            took[b] += 1.0 if ok else 0.0
+            log_p[b] += log(max(p, 1e-9))
         self._gamma = None
 
     @property
     def gamma(self) -> float:
         """The exponent of the power law fitted to every bin (1: the estimates stand)."""
         if self._gamma is None:
-            self._gamma = self._fit_gamma()
+            self._gamma = self._last_gamma = self._fit_gamma()
         return self._gamma
 
     def _fit_gamma(self) -> float:
+        """The gamma in ``GAMMA_RANGE`` whose predicted acceptance ``sum(n * exp(gamma * mean ln p))`` over the bins
+        equals the accepted count (a bound where none does).
+
+        The prediction falls as gamma grows and is convex in it (every ln p <= 0), so Newton's method climbs to the
+        root from below without overshooting, and a step from above lands below it: a few steps from the last fit,
+        instead of bisecting.
+        """
         seen = sum(self._seen)
         if seen < 8.0:
             return 1.0
         accepted = sum(self._accepted)
-        means = [(n, lp / n) for n, lp in zip(self._seen, self._log_p, strict=True) if n > 1e-9]
-        lo, hi = GAMMA_RANGE  # predicted(gamma) falls as gamma grows (every ln p <= 0)
-        for _ in range(40):
-            mid = math.sqrt(lo * hi)
-            if sum(n * math.exp(mid * m) for n, m in means) > accepted:
-                lo = mid
-            else:
-                hi = mid
-        return math.sqrt(lo * hi)
+        ns: list[float] = []
+        ms: list[float] = []
+        for n, lp in zip(self._seen, self._log_p, strict=True):
+            if n > 1e-9:
+                ns.append(n)
+                ms.append(lp / n)
+        exp = math.exp
+        lo, hi = GAMMA_RANGE
+        gamma = min(max(self._last_gamma, lo), hi)
+        for _ in range(100):
+            terms = [n * exp(gamma * m) for n, m in zip(ns, ms, strict=True)]
+            excess = sum(terms) - accepted
+            slope = sum([t * m for t, m in zip(terms, ms, strict=True)])
+            if slope >= 0.0:  # every estimate at 1: the prediction does not move
+                return hi if excess > 0.0 else lo
+            step = -excess / slope
+            if excess > 0.0:  # below the root
+                if gamma >= hi:
+                    return hi
+                if step <= 1e-13 * gamma:
+                    return gamma
+                gamma = min(gamma + step, hi)
+            elif gamma <= lo:
+                return lo
+            else:  # above the root (or on it): one step lands below it
+                if -step <= 1e-13 * gamma:
+                    return gamma
+                gamma = max(gamma + step, lo)
+        return gamma
 
     def __call__(self, p: float) -> float:
         """The calibrated probability for estimate ``p``."""
@@ -279,12 +332,35 @@ class AcceptanceCalibration:
         """Calibrated probabilities of a tree's nodes, each mapped on its own."""
         return [self(p) for p in probs]
 
+    def ranked(self, chains: Sequence[Sequence[float]], limit: int) -> list[tuple[float, int, int]]:
+        """Every chain's first ``limit`` tokens, calibrated as ``calibrate_chain`` does, as ``(-value, chain,
+        position)`` sorted: best first, then by chain and position."""
+        gamma, seen, took, prior = self.gamma, self._seen, self._accepted, self.prior
+        last, width, log = self.bins - 1, self.bin_width, math.log
+        out: list[tuple[float, int, int]] = []
+        for r, probs in enumerate(chains):
+            q_last = 2.0
+            for j, p in enumerate(probs[:limit]):  # ``self(p)``, inline
+                p = min(max(float(p), 0.0), 1.0)
+                b = last if p <= 0.0 else min(last, max(0, int(-log(min(p, 1.0)) / width)))
+                q = (took[b] + prior * p ** gamma) / (seen[b] + prior)
+                if q > q_last:
+                    q = q_last
+                out.append((-q, r, j))
+                q_last = q
+        out.sort()
+        return out
+
     def calibrate_chain(self, probs: Sequence[float]) -> list[float]:
         """Calibrated probabilities of a chain's tokens, kept non-increasing along it (a token is accepted only
         after every token before it)."""
+        gamma, seen, took, prior = self.gamma, self._seen, self._accepted, self.prior
+        last, width, log = self.bins - 1, self.bin_width, math.log
         out: list[float] = []
-        for p in probs:
-            q = self(p)
+        for p in probs:  # ``self(p)``, inline
+            p = min(max(float(p), 0.0), 1.0)
+            b = last if p <= 0.0 else min(last, max(0, int(-log(min(p, 1.0)) / width)))
+            q = (took[b] + prior * p ** gamma) / (seen[b] + prior)
             out.append(min(q, out[-1]) if out else q)
         return out
 
@@ -376,23 +452,22 @@ class VerifyBudget:
             return [min(len(c), limit, self.min_nodes) for c in chains]
         base = len(chains) if base_tokens is None else base_tokens
         cap = self.explore_limit() - base
-        candidates = sorted(((p, r, j) for r, c in enumerate(chains)
-                             for j, p in enumerate(self.calibration.calibrate_chain(c[:limit]))),
-                            key=lambda x: (-x[0], x[1], x[2]))
+        candidates = self.calibration.ranked(chains, limit)
         expected, total = float(base), 0
         best_rate = expected / self.curve.seconds(base)
         best_total = 0
         order: list[int] = []
-        for p, r, j in candidates:
+        seconds = self.curve.seconds_run(base + 1, max(0, min(cap, len(candidates))))
+        for neg_p, r, j in candidates:
             if total >= cap:
                 break
             if j != taken[r]:  # a chain's tokens only in order
                 continue
             taken[r] += 1
             order.append(r)
+            expected -= neg_p
+            rate = expected / seconds[total]
             total += 1
-            expected += p
-            rate = expected / self.curve.seconds(base + total)
             if rate > best_rate:
                 best_rate, best_total = rate, total
         out = [0] * len(chains)

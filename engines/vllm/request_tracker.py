@@ -189,8 +189,6 @@ class RequestTracker:
                 keep = budget.choose_batch(probs, self.k, base_tokens=rows)
                 tokens = [t[:n] for t, n in zip(tokens, keep, strict=True)]
                 self.speculator.proposed(handles, keep)
-                fig.cost_points = budget.curve.points()
-                fig.acceptance_gamma = budget.calibration.gamma
                 offered = sum(map(len, tokens))
             for q, t, p in zip(reqs, tokens, probs, strict=True):
                 q.probs = p[:len(t)]
@@ -207,7 +205,7 @@ class RequestTracker:
             if q.probs:
                 accepted = min(max(len(toks) - 1, 0), len(q.probs))
                 estimates += q.probs
-                outcomes += [j < accepted for j in range(len(q.probs))]
+                outcomes += [True] * accepted + [False] * (len(q.probs) - accepted)
                 q.probs = []
         if estimates and self.budget is not None:
             self.budget.calibration.observe(estimates, outcomes)
@@ -238,8 +236,11 @@ class RequestTracker:
         self.speculator.release()
 
     def sync_figures(self) -> None:
-        """Copy the speculator's figures into ``figures``."""
+        """Copy the speculator's figures, and the budget's curve and calibration, into ``figures``."""
         spec, fig = self.speculator.figures, self.figures
+        if self.budget is not None:
+            fig.cost_points = self.budget.curve.points()
+            fig.acceptance_gamma = self.budget.calibration.gamma
         fig.prespec_hits, fig.prespec_misses, fig.sync_waits, fig.late_answers = (spec.hits, spec.misses,
                                                                                   spec.waits, spec.late)
         fig.looked_up, fig.answers = spec.looked_up, spec.answers

@@ -1,11 +1,14 @@
 """Choosing how many draft nodes to verify: the learned cost curve, calibration, exploration, and the rule's
 outcome on simulated machines (flat like a GPU, steep like a CPU without native bfloat16)."""
 
+import math
 import random
 
+import numpy as np
 import pytest
 
 from drafter_service.api.verify_budget import (
+    GAMMA_RANGE,
     AcceptanceCalibration,
     StepCostCurve,
     VerifyBudget,
@@ -234,3 +237,41 @@ def test_one_slow_step_at_a_small_size_does_not_flatten_the_curve():
     assert times == sorted(times)
     assert curve.seconds(64) - curve.seconds(16) > 0.4  # the slope is still there
     assert curve.seconds(1) < 0.5
+
+
+def test_the_fitted_gamma_is_the_root_of_the_calibration_equation_within_its_range():
+    """Newton's method from the last fit finds the gamma whose predicted acceptance equals the accepted count (the
+    bisection it replaced, to 1e-9), or the range's bound where none does."""
+    rng = np.random.default_rng(5)
+    for q in (0.2, 0.7, 1.0, 1.6, 3.0, 9.0):
+        cal = AcceptanceCalibration()
+        for _ in range(30):
+            probs = rng.uniform(0.02, 1.0, 12)
+            cal.observe(probs.tolist(), (rng.uniform(size=12) < probs ** q).tolist())
+            means = [(n, lp / n) for n, lp in zip(cal._seen, cal._log_p, strict=True) if n > 1e-9]
+            lo, hi = GAMMA_RANGE
+            for _ in range(60):
+                mid = math.sqrt(lo * hi)
+                if sum(n * math.exp(mid * m) for n, m in means) > sum(cal._accepted):
+                    lo = mid
+                else:
+                    hi = mid
+            assert cal.gamma == pytest.approx(math.sqrt(lo * hi), rel=1e-9)
+
+
+def test_a_run_of_step_times_is_the_curve_at_each_size():
+    curve = StepCostCurve()
+    assert curve.seconds_run(3, 4) == [0.0] * 4
+    for n, t in ((0, 0.010), (4, 0.012), (16, 0.020), (64, 0.050)):
+        curve.observe(n, t)
+    for first, count in ((0, 80), (5, 3), (63, 4), (100, 2), (2, 0)):
+        assert curve.seconds_run(first, count) == [curve.seconds(n) for n in range(first, first + count)]
+
+
+def test_ranked_tokens_are_each_chain_calibrated_best_first():
+    rng = np.random.default_rng(6)
+    cal = AcceptanceCalibration()
+    cal.observe(rng.uniform(0.05, 1.0, 40).tolist(), (rng.uniform(size=40) < 0.4).tolist())
+    chains = [np.cumprod(rng.uniform(0.3, 1.0, k)).tolist() for k in (0, 3, 8, 8, 5)] + [[1.0, 1.0, 0.5]]
+    expected = sorted((-q, r, j) for r, c in enumerate(chains) for j, q in enumerate(cal.calibrate_chain(c[:6])))
+    assert cal.ranked(chains, 6) == expected
