@@ -74,7 +74,8 @@ class PreSpeculator:
 
     ``open`` returns a handle per request. Each ``step`` reports every row's new tokens and returns its chain;
     everything that costs runs on the sender's thread, which starts when the engine calls ``release`` (after its
-    step's own work, so the two threads do not take turns on the interpreter lock in the middle of a step).
+    step's own work) and starts nothing of its own between a ``step`` and the next ``release`` (an answer that comes
+    back then lands after it), so the two threads do not take turns on the interpreter lock in the middle of a step.
 
     Args:
         client: a drafter client, for the sender's thread alone.
