@@ -196,10 +196,12 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
                 ``Duplicates.SKIP_SAME_ID``: by id only).
             writer: (writer id, sequence number of the first request; the others follow it by one): requests
                 at or below the writer's high-water mark (``writer_mark``) are left out as already appended,
-                so an append retried after a lost reply stores nothing twice; the mark is then raised.
+                so an append retried after a lost reply stores nothing twice (the retry of the writer's last
+                append answers the ids that append gave them); the mark is then raised.
 
         Returns:
-            The requests' stream ids, in order; None for each duplicate (or already appended request) left out.
+            The requests' stream ids, in order; None for each duplicate left out, and for each request an
+            earlier append of the writer stored (other than its last one, whose ids are answered again).
 
         Raises:
             ValueError: a request is not a 1-D array of valid token ids, or a prompt length is outside
@@ -327,7 +329,8 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
     def writer_mark(self, writer_id: str) -> int:
         """The highest sequence number ``append_requests`` has seen from a writer (0: none, or expired)."""
         with _redis_errors("read a writer's mark"):
-            return int(self.client.get(self._writer_key(writer_id)) or 0)
+            held = self.client.get(self._writer_key(writer_id)) or b"0"
+            return int(held.split(b":", 1)[0])
 
     def forget_writer(self, writer_id: str) -> None:
         """Delete a writer's high-water mark (once nothing it wrote can be retried)."""

@@ -46,31 +46,45 @@ class Duplicates(IntEnum):
 # Every appended request adds its keys to the set, so duplicates inside one batch are found too.
 # With a writer ("<skip>:<first seq>:<ttl ms>" in ARGV[1] and its key as KEYS[4]) the requests are numbered
 # <first seq>, <first seq> + 1, ... by that writer; those at or below the writer's high-water mark were appended
-# by an earlier attempt whose reply was lost, and are left out (reply ""), so a retried append never stores
-# a request twice. The mark is then raised and kept for <ttl ms>.
+# by an earlier attempt whose reply was lost, and are left out, so a retried append never stores a request twice.
+# The writer's key holds "<mark>:<first seq>:<id>,<id>,...," : the mark and the stream ids its last append that
+# stored anything gave (a lost reply is always the last append's: a writer sends nothing else until it is
+# retried), so a retry of that append answers the same ids (the writer then knows where they are in the log);
+# a request left out from an earlier append answers "". The key is kept for <ttl ms>.
 # KEYS: stream, meta, seen[, writer]; ARGV: skip "0"/"1"/"2" (or the writer form), then per request: tokens,
 # has id "0"/"1", id, prompt length ("" when unknown), id key ("" when none), content key.
 APPEND_LUA = """
 local rule = string.sub(ARGV[1], 1, 1)
 local skip = rule ~= '0'
 local first, ttl = string.match(ARGV[1], '^.:(%d+):(%d+)$')
-local done = 0
+local done, last_first, last_ids = 0, 0, {}
 if first then
   first = tonumber(first)
-  done = tonumber(redis.call('GET', KEYS[4]) or '0')
+  local held = redis.call('GET', KEYS[4]) or '0'
+  local mark, lf, list = string.match(held, '^(%d+):(%d+):(.*)$')
+  if mark then
+    done, last_first = tonumber(mark), tonumber(lf)
+    for x in string.gmatch(list, '([^,]*),') do last_ids[#last_ids + 1] = x end
+  else
+    done = tonumber(held)
+  end
 end
+local stored = false
 local pos = tonumber(redis.call('HGET', KEYS[2], 'end') or '0')
 local ids = {}
 for i = 2, #ARGV, 6 do
   local id_key, hash_key = ARGV[i + 4], ARGV[i + 5]
-  local seen = first ~= nil and first + (i - 2) / 6 <= done
-  if skip and not seen then
+  local seq = first and first + (i - 2) / 6
+  local seen = first ~= nil and seq <= done
+  if seen then
+    ids[#ids + 1] = last_ids[seq - last_first + 1] or ''
+  elseif skip then
     seen = (id_key ~= '' and redis.call('SISMEMBER', KEYS[3], id_key) == 1) or
            (rule == '1' and redis.call('SISMEMBER', KEYS[3], hash_key) == 1)
+    if seen then ids[#ids + 1] = '' end
   end
-  if seen then
-    ids[#ids + 1] = ''
-  else
+  if not seen then
+    stored = true
     pos = pos + string.len(ARGV[i]) / 4 + 1
     local id = string.format('%d-0', pos)
     local fields = {'t', ARGV[i]}
@@ -94,7 +108,13 @@ end
 redis.call('HSET', KEYS[2], 'end', string.format('%d', pos))
 if first then
   done = math.max(done, first + (#ARGV - 1) / 6 - 1)
-  redis.call('SET', KEYS[4], string.format('%d', done), 'PX', ttl)
+  if stored then
+    local list = {}
+    for k = 1, #ids do list[k] = ids[k] .. ',' end
+    redis.call('SET', KEYS[4], string.format('%d:%d:', done, first) .. table.concat(list), 'PX', ttl)
+  else
+    redis.call('PEXPIRE', KEYS[4], ttl)
+  end
 end
 return ids
 """

@@ -177,10 +177,14 @@ def test_the_writer_mark_makes_a_retried_append_store_nothing_twice(redis_server
     docs = [(np.array([1, 2, 3]), "a"), (np.array([1, 2, 3]), None), (np.array([4]), "c")]
     ids = p.append_requests(docs, [1, 1, 0], writer=(writer, 10))
     assert all(ids) and p.writer_mark(writer) == 12
-    again = p.append_requests(docs, [1, 1, 0], writer=(writer, 10))  # the same attempt, retried
-    assert again == [None, None, None] and p.request_count() == 3
-    tail = p.append_requests(docs[1:] + [(np.array([9]), "d")], [1, 0, 0], writer=(writer, 12))  # overlaps by one
-    assert tail[0] is None and all(tail[1:]) and p.request_count() == 5 and p.writer_mark(writer) == 14
+    again = p.append_requests(docs, [1, 1, 0], writer=(writer, 10))  # the same attempt, retried: the same ids
+    assert again == ids and p.request_count() == 3
+    tail = p.append_requests(docs[2:] + [(np.array([9]), "d"), (np.array([8]), "e")], [0, 0, 0],
+                             writer=(writer, 12))  # overlaps the last append by one
+    assert tail[0] == ids[2] and all(tail[1:]) and p.request_count() == 5 and p.writer_mark(writer) == 14
+    # a retry reaching back past the last append that stored anything: those requests' ids are not known
+    assert p.append_requests(docs, [1, 1, 0], writer=(writer, 10)) == [None, None, tail[0]]
+    assert p.append_requests(docs[2:], [0], writer=(writer, 12)) == [tail[0]]  # (a retry stores nothing)
     other = new_id()  # another writer's numbers are its own
     assert all(p.append_requests(docs[:1], [1], writer=(other, 1))) and p.writer_mark(other) == 1
     assert 0 < p.client.pttl(p.prefix + "writer:" + writer) <= 30 * 24 * 3600 * 1000

@@ -13,9 +13,11 @@ import pytest
 from drafter_service.core.config import DrafterConfig
 from drafter_service.namespaces import index_files
 from drafter_service.namespaces.index_files import IndexFiles
+from drafter_service.namespaces.log_follower import LogFollower
 from drafter_service.namespaces.namespace import Namespace
+from drafter_service.namespaces.spooling import SpoolingLog
 from store.index_file import read_index_file, write_index_file
-from store.persistence import RedisPersistence
+from store.persistence import PersistenceError, RedisPersistence
 
 VOCAB = 60
 CAPACITY = 40_000
@@ -238,3 +240,38 @@ def test_a_failed_write_is_retried_at_the_next_run(redis_server, tmp_path: Path,
     assert files.due and not files.path.exists()
     monkeypatch.undo()
     assert files.save() is not None and files.path.exists() and not files.due
+
+
+
+@pytest.mark.parametrize("following", [False, True])
+def test_a_request_redis_took_before_its_reply_was_lost_is_stored_once(redis_server, tmp_path: Path, monkeypatch,
+                                                                        following: bool):
+    """An append that reached Redis but answered with an error (a timeout, acknowledgements not confirmed) goes to the
+    spool; the drain's retry learns where Redis put it, so neither the log follower (it would take the request for
+    another replica's and store it again) nor an index file written afterwards holds it twice."""
+    ns = namespace(redis_server.url, tmp_path)
+    ns.restore()
+    follower = LogFollower(ns.log).attach() if following else None
+    ns.spool = SpoolingLog(ns.log, tmp_path / "spool", 1 << 20)
+    ns.ingest(requests(6, 30))
+    p = ns.persistence
+    assert p is not None
+    append = p.append_requests
+
+    def lost_reply(*args, **kwargs):
+        append(*args, **kwargs)
+        raise PersistenceError("the reply did not come in time")
+
+    monkeypatch.setattr(p, "append_requests", lost_reply)
+    ns.ingest(requests(7, 3))
+    monkeypatch.setattr(p, "append_requests", append)
+    assert ns.spool.held == 3 and ns.spool.drain() == 3 and not ns.spool.holding
+    assert ns.log.position == p.last_id()
+    ns.ingest(requests(8, 2))
+    if follower is not None:
+        follower.poll()
+    logged = sum(1 for _ in p.iter_request_records())
+    assert ns.drafter.store.ring.documents == logged == 35
+    assert ns.rebuild("main") == "main" and ns.index_files is not None and ns.index_files.save() is not None
+    again = restored(redis_server.url, tmp_path)
+    assert again.drafter.store.ring.documents == logged
