@@ -17,13 +17,11 @@ from drafter_service.bench.batch_bench import add_batch_bench
 from drafter_service.bench.corpus_bench import add_corpus_bench
 from drafter_service.bench.doc_blocks import DocBlockError, add_doc_flag, parse_targets, write_doc_blocks
 from drafter_service.bench.e2e import add_e2e_bench
-from drafter_service.bench.ngram_mod import NGramModDrafter
 from drafter_service.bench.oracle import RetrievalOracle, SeenPrefixes
-from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
-from drafter_service.bench.pia_trie import PiaLookaheadDrafter
 from drafter_service.bench.proposer_bench import add_proposer_bench
 from drafter_service.bench.protocol import ReplayDrafter
 from drafter_service.bench.replay import CoreDrafter, Mode, ReplayResult, replay, replay_hindsight
+from drafter_service.bench.replay_inputs import PEERS, add_request_flags, chain_peer, load_sets, make_peer, peer_names
 from drafter_service.bench.replicas_bench import add_replicas_bench
 from drafter_service.bench.serve_bench import add_serve_bench
 from drafter_service.bench.soak import add_soak_bench
@@ -39,8 +37,6 @@ from store.ngram_table import FrozenNGramTable
 
 logger = logging.getLogger(__name__)
 
-PEERS = ("prompt-lookup", "arctic", "arctic-f4", "pia", "ngram-mod")
-
 #: drafter with a draft model, by name: (model-free sources on, CARD's correction on).
 CARD_VARIANTS = {"drafter+card": (True, True), "drafter+card-nocorr": (True, False), "card-only": (False, True)}
 
@@ -53,11 +49,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``bench replay``, ``store``, ``serve``, ``e2e`` and ``corpus`` under the ``bench`` command."""
     bench = sub.add_parser("bench", help="measure acceptance and cost").add_subparsers(dest="bench", required=True)
     rp = bench.add_parser("replay", help="replay completed requests through drafter and peers")
-    rp.add_argument("files", nargs="*", help="request JSONL files (request_id, prompt, output token ids)")
-    rp.add_argument("--dataset", action="append", default=[], choices=DATASET_NAMES,
-                    help="a built-in data set, tokenized with SmolLM2's tokenizer (repeatable)")
-    rp.add_argument("--limit", type=int, default=None, help="requests per data set (default: each set's own)")
-    rp.add_argument("--skip", type=int, default=0, help="requests skipped first in each data set")
+    add_request_flags(rp)
     rp.add_argument("--budget", type=int, action="append", default=[], help="tree budget in nodes (repeatable; "
                     "default 32 unless --chain is given)")
     rp.add_argument("--chain", type=int, action="append", default=[], metavar="K",
@@ -111,40 +103,6 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     add_replicas_bench(bench)
 
 
-def _make_peer(name: str) -> ReplayDrafter | None:
-    if name == "prompt-lookup":
-        return PromptLookupDrafter()
-    if name in ("arctic", "arctic-f4"):
-        if not arctic_available():
-            logger.warning("arctic-inference is not installed (make bench-peers); skipping %s", name)
-            return None
-        return ArcticSuffixDrafter(max_spec_factor=4.0 if name == "arctic-f4" else 1.0)
-    if name == "pia":
-        return PiaLookaheadDrafter()
-    if name == "ngram-mod":
-        return NGramModDrafter()
-    raise SystemExit(f"unknown peer {name!r}; choose among {', '.join(PEERS)}")
-
-
-def _datasets(args: argparse.Namespace) -> list[tuple[str, list[Request]]]:
-    if args.skip < 0:
-        raise SystemExit("--skip must be >= 0")
-    stop = None if args.limit is None else args.skip + args.limit
-    sets = [(name, load_dataset(name, stop)[args.skip:]) for name in args.dataset]
-    for path in args.files:
-        sets.append((path, list(read_requests(path))[args.skip:stop]))
-    if not sets:
-        raise SystemExit("give request files or --dataset NAME")
-    return sets
-
-
-def _chain_peer(name: str) -> ReplayDrafter | None:
-    """A peer in chain mode: ArcticInference as vLLM's ``suffix`` method runs it, the others as in tree mode."""
-    if name in ("arctic", "arctic-f4") and arctic_available():
-        return ArcticSuffixDrafter.vllm_suffix(max_spec_factor=4.0 if name == "arctic-f4" else 1.0)
-    return _make_peer(name)
-
-
 def _oracles(reqs: Sequence[Request], passes: int, warm: Sequence[Request] | None,
              max_len: int) -> list[tuple[SeenPrefixes, int, str]]:
     """The retrieval oracle's lengths over the replay (``passes`` times ``reqs``), and over the warm corpus then the
@@ -176,7 +134,7 @@ def run_replay(args: argparse.Namespace) -> int:
         parse_targets(args.write_doc)
     except DocBlockError as exc:
         raise SystemExit(str(exc)) from None
-    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    peers = peer_names(args.peers)
     card_variants(args.card_variants)  # a bad list fails before anything loads
     frozen = {args.frozen_corpus: _frozen_table(args)} if args.frozen_corpus else {}
     for path in args.frozen_file:
@@ -184,10 +142,10 @@ def run_replay(args: argparse.Namespace) -> int:
     warm = _corpus(args.warm_corpus, args.warm_skip, args.warm_limit) if args.warm_corpus else None
     passes = 2 if args.repeat else 1
     results: list[ReplayResult] = []
-    for name, reqs in _datasets(args):
+    for name, reqs in load_sets(args):
         oracles = [] if args.no_oracle else _oracles(reqs, passes, warm, max(n for _, n in rows))
         for mode, budget in rows:
-            make_peer = _chain_peer if mode == "chain" else _make_peer
+            new_peer = chain_peer if mode == "chain" else make_peer
             drafters: list[ReplayDrafter] = [CoreDrafter()]
             if frozen:
                 with_frozen = CoreDrafter(name="drafter+frozen")
@@ -196,9 +154,9 @@ def run_replay(args: argparse.Namespace) -> int:
                 drafters.append(with_frozen)
             if args.draft_model:
                 drafters += _card_drafters(args, reqs)
-            drafters += [d for d in map(make_peer, peers) if d is not None]
+            drafters += [d for d in map(new_peer, peers) if d is not None]
             if warm is not None:
-                drafters += _warmed_drafters(peers, warm, make_peer)
+                drafters += _warmed_drafters(peers, warm, new_peer)
             drafters += [RetrievalOracle(seen, skip, oracle) for seen, skip, oracle in oracles]
             for drafter in drafters:
                 for label in (name, f"{name}-repeat") if args.repeat else (name,):
@@ -207,7 +165,7 @@ def run_replay(args: argparse.Namespace) -> int:
                         results.append(replay(drafter, reqs, budget, label, progress=lambda _: bar.update(),
                                               mode=mode))
             if args.hindsight:
-                chosen = [CoreDrafter(), *(d for d in map(make_peer, peers) if d is not None)]
+                chosen = [CoreDrafter(), *(d for d in map(new_peer, peers) if d is not None)]
                 with tqdm(total=len(reqs), desc=f"{name} {mode} {budget} hindsight", unit="req", file=sys.stderr,
                           leave=False) as bar:
                     results.append(replay_hindsight(chosen, reqs, budget, name, progress=lambda _: bar.update(),
@@ -265,7 +223,7 @@ def _corpus(source: str, skip: int, limit: int) -> list[Request]:
 
 
 def _warmed_drafters(peers: Sequence[str], warm: Sequence[Request],
-                     make_peer: Callable[[str], ReplayDrafter | None] = _make_peer) -> list[ReplayDrafter]:
+                     make_peer: Callable[[str], ReplayDrafter | None] = make_peer) -> list[ReplayDrafter]:
     """drafter, and ArcticInference when it is among the peers (made by ``make_peer``), filled with ``warm`` before
     the replay.
 
