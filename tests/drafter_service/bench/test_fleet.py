@@ -1,0 +1,165 @@
+"""Tests of the fleet replay: routing, restarts, and N = 1 against ``bench replay``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from drafter_service.api.tree import EMPTY_TREE, DraftTree
+from drafter_service.bench.fleet import Fleet, FleetPlan, prefix_hash, replay_fleet, replay_shared, route
+from drafter_service.bench.fleet_bench import add_fleet_bench
+from drafter_service.bench.ngram_mod import NGramModDrafter
+from drafter_service.bench.oracle import RetrievalOracle, SeenPrefixes
+from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
+from drafter_service.bench.pia_trie import PiaLookaheadDrafter
+from drafter_service.bench.protocol import ReplayDrafter
+from drafter_service.bench.replay import CoreDrafter, Mode, replay
+from drafter_service.datasets.loaders import Request, write_requests
+
+
+def _requests(count: int = 10, seed: int = 0) -> list[Request]:
+    """Variants of one answer (a few tokens changed) after prompts of two families: requests learn from earlier ones."""
+    rng = np.random.default_rng(seed)
+    half = rng.integers(0, 60, 30)
+    base = np.concatenate([half, half])
+    heads = [rng.integers(100, 160, 16), rng.integers(100, 160, 16)]
+    out = []
+    for i in range(count):
+        answer = base.copy()
+        changed = rng.integers(0, base.size, 4)
+        answer[changed] = rng.integers(0, 60, changed.size)
+        out.append(Request(f"r{i}", np.concatenate([heads[i % 2], rng.integers(0, 60, 6)]).astype(np.int32),
+                           answer.astype(np.int32)))
+    return out
+
+
+class Recorder:
+    """A peer that drafts nothing and records the requests it served."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.served: list[str] = []
+
+    def start(self, request_id: str, prompt: Sequence[int]) -> None:
+        self.served.append(request_id)
+
+    def extend(self, request_id: str, tokens: Sequence[int]) -> None:
+        pass
+
+    def propose(self, request_id: str, max_nodes: int) -> DraftTree:
+        return EMPTY_TREE
+
+    def end(self, request_id: str) -> None:
+        pass
+
+
+def test_round_robin_assigns_requests_in_turn() -> None:
+    assert route(_requests(7), 3, "round-robin").tolist() == [0, 1, 2, 0, 1, 2, 0]
+    assert route(_requests(3), 1, "round-robin").tolist() == [0, 0, 0]
+
+
+def test_prefix_affinity_sends_the_same_first_tokens_to_the_same_replica() -> None:
+    assert prefix_hash([1, 2, 3]) == zlib.crc32(bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]))
+    assert prefix_hash(list(range(16)) + [7]) == prefix_hash(list(range(16)) + [8])  # only 16 tokens count
+    reqs = _requests(12)  # two prompt families: the same 16 first tokens, different tails
+    for n in (2, 4, 16):
+        replica = route(reqs, n, "prefix")
+        assert len(set(replica[0::2].tolist())) == 1 and len(set(replica[1::2].tolist())) == 1
+        assert replica[0] == prefix_hash(reqs[0].prompt) % n
+    many = [Request(str(i), np.array([i, i + 1], dtype=np.int32), np.array([1], dtype=np.int32)) for i in range(64)]
+    assert len(set(route(many, 4, "prefix").tolist())) == 4  # distinct prompts spread over the replicas
+
+
+def test_bad_routing_and_sizes_are_refused() -> None:
+    with pytest.raises(ValueError):
+        route(_requests(2), 2, "random")
+    with pytest.raises(ValueError):
+        route(_requests(2), 0, "round-robin")
+    with pytest.raises(ValueError):
+        FleetPlan.build(_requests(2), 2, "round-robin", -1)
+
+
+def test_restarts_go_round_the_replicas_every_r_requests() -> None:
+    plan = FleetPlan.build(_requests(10), 2, "round-robin", 3, window=2)
+    # after requests 3, 6 and 9 (indexes 2, 5, 8): replicas 0, 1, 0 in turn
+    assert plan.restart_after.tolist() == [-1, -1, 0, -1, -1, 1, -1, -1, 0, -1]
+    assert plan.restarts == 3
+    # replica 0 serves 4, 6 after its first restart (then restarts again after 8), replica 1 serves 7, 9
+    assert np.flatnonzero(plan.after_restart).tolist() == [4, 6, 7, 9]
+    assert not FleetPlan.build(_requests(10), 2, "round-robin", 0).after_restart.any()
+
+
+def test_a_restarted_replica_starts_with_empty_peers_and_drafter_keeps_every_request() -> None:
+    reqs = _requests(10)
+    plan = FleetPlan.build(reqs, 2, "round-robin", 3)
+    fleet = Fleet(2, lambda: [Recorder()])
+    drafter = CoreDrafter()
+    logs = replay_fleet(reqs, plan, lambda: [Recorder()], 4, "chain", shared=[drafter], fleet=fleet)
+    assert fleet.restarts == [2, 1]
+    # replica 0 restarted after requests 3 and 9, replica 1 after request 6
+    assert fleet.peers(0)[0].served == []  # type: ignore[attr-defined]
+    assert fleet.peers(1)[0].served == ["r7", "r9"]  # type: ignore[attr-defined]
+    assert drafter.core.store.stats()["documents"] == 10
+    assert set(logs) == {"drafter", "recorder"} and logs["recorder"].steps.sum() > 0
+
+
+def test_after_a_restart_peers_are_cold_and_drafter_is_not() -> None:
+    same = _requests(1)[0]
+    reqs = [Request(f"r{i}", same.prompt, same.output) for i in range(4)]
+    plan = FleetPlan.build(reqs, 1, "round-robin", 2)  # the replica restarts after the second request
+    logs = replay_fleet(reqs, plan, lambda: [PiaLookaheadDrafter(), NGramModDrafter()], 8, "chain",
+                        shared=[CoreDrafter()])
+    for peer in ("pia", "ngram-mod"):
+        steps = logs[peer].steps.tolist()
+        assert steps[2] == steps[0] and steps[3] == steps[1] and steps[1] < steps[0]  # cold again, then warm
+    ours = logs["drafter"].steps.tolist()
+    assert ours[2] <= ours[1] < ours[0]
+    assert plan.after_restart.tolist() == [False, False, True, True]
+    assert logs["drafter"].mat(plan.after_restart) > logs["pia"].mat(plan.after_restart)
+
+
+def _peers(mode: Mode) -> list[ReplayDrafter]:
+    out: list[ReplayDrafter] = [PromptLookupDrafter(), PiaLookaheadDrafter(), NGramModDrafter()]
+    if arctic_available():
+        out.append(ArcticSuffixDrafter.vllm_suffix() if mode == "chain" else ArcticSuffixDrafter())
+    return out
+
+
+@pytest.mark.parametrize(("mode", "budget"), [("chain", 4), ("tree", 8)])
+def test_one_replica_without_restarts_matches_bench_replay(mode: Mode, budget: int) -> None:
+    reqs = _requests(8)
+    seen = SeenPrefixes.of(reqs, budget)
+    plan = FleetPlan.build(reqs, 1, "prefix", 0)
+    logs = replay_fleet(reqs, plan, lambda: _peers(mode), budget, mode,
+                        shared=[CoreDrafter(), RetrievalOracle(seen)])
+    alone = [CoreDrafter(), RetrievalOracle(seen), *_peers(mode)]
+    for drafter in alone:
+        expected = replay(drafter, reqs, budget, mode=mode)
+        assert logs[drafter.name].mat() == pytest.approx(expected.mat, abs=1e-12), drafter.name
+        assert int(logs[drafter.name].steps.sum()) == expected.steps
+    shared = replay_shared(CoreDrafter(), reqs, budget, mode)
+    assert shared.mat() == logs["drafter"].mat()
+
+
+def test_bench_fleet_command_prints_both_tables_and_writes_json(tmp_path, capsys) -> None:
+    path = tmp_path / "reqs.jsonl"
+    write_requests(path, _requests(8))
+    parser = argparse.ArgumentParser()
+    add_fleet_bench(parser.add_subparsers())
+    out = tmp_path / "fleet.json"
+    args = parser.parse_args(["fleet", str(path), "--chain", "4", "--replicas", "1,2", "--restart-every", "0,3",
+                              "--peers", "prompt-lookup,pia", "--json", str(out)])
+    assert args.func(args) == 0
+    table = capsys.readouterr().out
+    assert "| drafter / best peer |" in table and "drafter / best cold suffix" in table
+    rows = json.loads(out.read_text())
+    # 2 N x 2 routings x 2 R over all requests, and the 4 settings with restarts after them
+    assert len(rows) == 12 and sum(r["scope"] == "after-restart" for r in rows) == 4
+    first = rows[0]
+    assert set(first["mat"]) == {"drafter", "oracle", "prompt-lookup", "pia"} and first["k"] == 4
