@@ -136,20 +136,33 @@ def format_breakdown(res: WorkloadResult) -> list[str]:
 
 def format_headline(results: Sequence[WorkloadResult], args: argparse.Namespace) -> str:
     """The README's table: per workload, greedy's and drafter's tokens per second, drafter's MAT, and drafter against
-    greedy and against prompt lookup (medians of per-request ratios)."""
+    greedy and against prompt lookup (medians of per-request ratios); with ``drafter-pre`` or fixed budgets in the
+    run, also pre-speculated drafter against greedy, and the best fixed budget against greedy and drafter against it."""
     where = "" if getattr(args, "device", "cpu") == "cpu" else f" on {args.device}"
+    pre = any(res.of("drafter-pre") for res in results)
+    fixed = any(m.startswith("fixed-") for res in results for m in res.methods())
+    head = ["workload", "greedy tok/s", "drafter tok/s (MAT)", "drafter vs greedy"]
+    head += ["drafter-pre vs greedy"] * pre + ["best fixed vs greedy", "drafter vs best fixed"] * fixed
+    head += ["drafter vs prompt lookup"]
     lines = [f"SmolLM2-135M-Instruct{where}, {args.dtype}, greedy, {args.threads} torch threads, {args.max_new_tokens} "
              f"new tokens, {args.requests} held-back requests per workload after {args.warm} warm-up requests.", "",
-             "| workload | greedy tok/s | drafter tok/s (MAT) | drafter vs greedy | drafter vs prompt lookup |",
-             "|---|---|---|---|---|"]
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for res in results:
         greedy, drafter, pld = res.of("greedy"), res.of("drafter"), res.of("hf-pld")
         if not greedy or not drafter:
             continue
         mat = sum(len(r.tokens) for r in drafter) / max(1, sum(r.steps for r in drafter))
-        vs_pld = f"{median_ratio(drafter, pld):.2f}×" if pld else "-"
-        lines.append(f"| {res.dataset} | {tokens_per_s(greedy):.1f} | {tokens_per_s(drafter):.1f} ({mat:.2f}) "
-                     f"| {median_ratio(drafter, greedy):.2f}× | {vs_pld} |")
+        cells = [res.dataset, f"{tokens_per_s(greedy):.1f}", f"{tokens_per_s(drafter):.1f} ({mat:.2f})",
+                 f"{median_ratio(drafter, greedy):.2f}×"]
+        if pre:
+            cells.append(f"{median_ratio(res.of('drafter-pre'), greedy):.2f}×" if res.of("drafter-pre") else "-")
+        if fixed:
+            budgets = [m for m in res.methods() if m.startswith("fixed-")]
+            top = max(budgets, key=lambda m: median_ratio(res.of(m), greedy)) if budgets else None
+            cells += [f"{top} {median_ratio(res.of(top), greedy):.2f}×", f"{median_ratio(drafter, res.of(top)):.2f}×"] \
+                if top else ["-", "-"]
+        cells.append(f"{median_ratio(drafter, pld):.2f}×" if pld else "-")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

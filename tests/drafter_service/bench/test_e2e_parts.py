@@ -10,7 +10,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafter_service.bench.e2e import HfStatic, _hf_generate, fixed_budgets, resolve_device, settling_prompts
 from drafter_service.bench.e2e_prompts import RANDOM_PROMPT_TOKENS, RANDOM_TOKEN_IDS, load_prompts
-from drafter_service.bench.e2e_report import Run, WorkloadResult, fastest_hf, format_result, method_order, result_json
+from drafter_service.bench.e2e_report import (
+    Run,
+    WorkloadResult,
+    fastest_hf,
+    format_headline,
+    format_result,
+    method_order,
+    result_json,
+)
 from drafter_service.bench.step_costs import fastest_dtype, format_curve, measure_step_curve
 
 
@@ -168,6 +176,21 @@ def test_the_report_breaks_steps_down_and_names_transformers_fastest_greedy():
     assert data["breakdown"]["drafter"]["padded"] == 4.0 and data["runs"][0]["forward_seconds"] == 0.8
     assert fastest_hf(WorkloadResult("empty")) is None
 
+
+
+def test_the_headline_adds_pre_speculation_and_the_best_fixed_budget_when_they_ran():
+    same = [1, 2, 3, 4]
+    res = WorkloadResult("set")
+    for method, secs in (("greedy", 1.0), ("drafter", 0.5), ("drafter-pre", 0.4), ("fixed-4", 0.8),
+                         ("fixed-8", 0.6), ("hf-pld", 1.0)):
+        res.runs += _runs(method, [secs, secs], [same, same], steps=2)
+    args = argparse.Namespace(dtype="float32", threads=2, max_new_tokens=4, requests=2, warm=1)
+    lines = format_headline([res], args).splitlines()
+    assert lines[2] == ("| workload | greedy tok/s | drafter tok/s (MAT) | drafter vs greedy | drafter-pre vs greedy "
+                        "| best fixed vs greedy | drafter vs best fixed | drafter vs prompt lookup |")
+    assert lines[4] == "| set | 4.0 | 8.0 (2.00) | 2.00× | 2.50× | fixed-8 1.67× | 1.20× | 2.00× |"
+    plain = WorkloadResult("set", runs=[r for r in res.runs if r.method in ("greedy", "drafter")])
+    assert format_headline([plain], args).splitlines()[4] == "| set | 4.0 | 8.0 (2.00) | 2.00× | - |"
 
 def test_the_machine_line_without_cuda(monkeypatch):
     import importlib.metadata
