@@ -213,8 +213,8 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
         mode = str(int(Duplicates.of(skip_duplicates)))
         keys = [self.stream_key, self.meta_key, self.seen_key]
         if writer is not None:
-            mode += f":{int(writer[1])}:{WRITER_TTL_MS}"
-            keys.append(self._writer_key(writer[0]))
+            keys.append(self._writer_key(writer[0]))  # (checks the id's form)
+            mode += f":{int(writer[1])}:{WRITER_TTL_MS}:{writer[0]}"
         args: list[bytes | str] = [mode]
         for i, (tokens, request_id) in enumerate(docs):
             blob = self._tokens(tokens)
@@ -329,8 +329,8 @@ class RedisPersistence(SnapshotStore, MetricLog, ServerAcks):
     def writer_mark(self, writer_id: str) -> int:
         """The highest sequence number ``append_requests`` has seen from a writer (0: none, or expired)."""
         with _redis_errors("read a writer's mark"):
-            held = self.client.get(self._writer_key(writer_id)) or b"0"
-            return int(held.split(b":", 1)[0])
+            held = self.client.get(self._writer_key(writer_id)) or b"0"  # "<mark>" or "<mark>:<first>:<ids>"
+            return int((held.decode() if isinstance(held, bytes) else str(held)).split(":", 1)[0])
 
     def forget_writer(self, writer_id: str) -> None:
         """Delete a writer's high-water mark (once nothing it wrote can be retried)."""

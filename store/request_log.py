@@ -44,19 +44,20 @@ class Duplicates(IntEnum):
 # A request is a duplicate when its id key or its content key is in the seen set; with skip "1" duplicates
 # are not appended (their reply is ""), with skip "2" only requests whose id key is in the set (Duplicates).
 # Every appended request adds its keys to the set, so duplicates inside one batch are found too.
-# With a writer ("<skip>:<first seq>:<ttl ms>" in ARGV[1] and its key as KEYS[4]) the requests are numbered
+# With a writer ("<skip>:<first seq>:<ttl ms>:<writer id>" in ARGV[1] and its key as KEYS[4]) the requests are numbered
 # <first seq>, <first seq> + 1, ... by that writer; those at or below the writer's high-water mark were appended
 # by an earlier attempt whose reply was lost, and are left out, so a retried append never stores a request twice.
 # The writer's key holds "<mark>:<first seq>:<id>,<id>,...," : the mark and the stream ids its last append that
 # stored anything gave (a lost reply is always the last append's: a writer sends nothing else until it is
 # retried), so a retry of that append answers the same ids (the writer then knows where they are in the log);
-# a request left out from an earlier append answers "". The key is kept for <ttl ms>.
+# a request left out from an earlier append answers "". The key is kept for <ttl ms>. Each entry a writer appends
+# names it (field "w"), so the writer's own log follower can tell its requests from other replicas'.
 # KEYS: stream, meta, seen[, writer]; ARGV: skip "0"/"1"/"2" (or the writer form), then per request: tokens,
 # has id "0"/"1", id, prompt length ("" when unknown), id key ("" when none), content key.
 APPEND_LUA = """
 local rule = string.sub(ARGV[1], 1, 1)
 local skip = rule ~= '0'
-local first, ttl = string.match(ARGV[1], '^.:(%d+):(%d+)$')
+local first, ttl, writer = string.match(ARGV[1], '^.:(%d+):(%d+):(%x+)$')
 local done, last_first, last_ids = 0, 0, {}
 if first then
   first = tonumber(first)
@@ -96,6 +97,10 @@ for i = 2, #ARGV, 6 do
       fields[#fields + 1] = 'p'
       fields[#fields + 1] = ARGV[i + 3]
     end
+    if writer then
+      fields[#fields + 1] = 'w'
+      fields[#fields + 1] = writer
+    end
     redis.call('XADD', KEYS[1], id, unpack(fields))
     if id_key ~= '' then
       redis.call('SADD', KEYS[3], id_key, hash_key)
@@ -131,12 +136,14 @@ class RequestRecord:
         tokens: (n,) int32 prompt + output.
         request_id: the id it was stored with, or None.
         prompt_len: how many of ``tokens`` are the prompt, or None for entries written without it.
+        writer: the id of the writer that appended it (a service's spooling log), or None.
     """
 
     stream_id: str
     tokens: np.ndarray
     request_id: str | None
     prompt_len: int | None
+    writer: str | None = None
 
 
 def content_digest(blob: bytes, prompt_len: int | None) -> bytes:
@@ -154,9 +161,10 @@ def duplicate_keys(blob: bytes, prompt_len: int | None, request_id: str | None) 
 
 def record_from_entry(stream_id: bytes, fields: dict[bytes, bytes]) -> RequestRecord:
     """The record of a stream entry as XRANGE returns it."""
-    rid, plen = fields.get(b"r"), fields.get(b"p")
+    rid, plen, writer = fields.get(b"r"), fields.get(b"p"), fields.get(b"w")
     return RequestRecord(stream_id.decode(), np.frombuffer(fields[b"t"], dtype="<i4").astype(np.int32),
-                         None if rid is None else rid.decode(), None if plen is None else int(plen))
+                         None if rid is None else rid.decode(), None if plen is None else int(plen),
+                         None if writer is None else writer.decode())
 
 
 class SeenKeys:

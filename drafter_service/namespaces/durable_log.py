@@ -50,6 +50,7 @@ class DurableLog:
         self.position = "0-0"
         self.event_position = "0-0"
         self.follower: Follower | None = None  # set when this replica follows the shared log
+        self.writer_id = ""  # the writer id this process's appends carry (set by its spool); "" when none
         self._store = store
         self._sync_frozen = sync_frozen
 

@@ -161,6 +161,8 @@ class LogFollower:
                 continue
             if rec.stream_id in self._own:
                 self._own.discard(rec.stream_id)
+            elif rec.writer is not None and rec.writer == ns.writer_id:
+                pass  # own, though its append failed (a lost reply, a timeout): the spool put it in memory
             else:
                 start = end - int(rec.tokens.size) - 1
                 if start > position:

@@ -60,6 +60,7 @@ class SpoolingLog:
         self.folder = Path(folder) / log.name
         self.max_bytes = int(max_bytes)
         self.writer_id = new_id()
+        log.writer_id = self.writer_id  # the log follower leaves this process's own entries to it
         self.store_id = self.persistence.store_id()
         self.redis_ok = True
         self.on_hold: Callable[[], None] | None = None

@@ -247,8 +247,9 @@ def test_a_failed_write_is_retried_at_the_next_run(redis_server, tmp_path: Path,
 def test_a_request_redis_took_before_its_reply_was_lost_is_stored_once(redis_server, tmp_path: Path, monkeypatch,
                                                                         following: bool):
     """An append that reached Redis but answered with an error (a timeout, acknowledgements not confirmed) goes to the
-    spool; the drain's retry learns where Redis put it, so neither the log follower (it would take the request for
-    another replica's and store it again) nor an index file written afterwards holds it twice."""
+    spool; the log follower knows it for this process's own (its entry names the writer), and the drain's retry learns
+    where Redis put it, so neither the follower (it would take the request for another replica's and store it again)
+    nor an index file written afterwards holds it twice."""
     ns = namespace(redis_server.url, tmp_path)
     ns.restore()
     follower = LogFollower(ns.log).attach() if following else None
@@ -265,6 +266,8 @@ def test_a_request_redis_took_before_its_reply_was_lost_is_stored_once(redis_ser
     monkeypatch.setattr(p, "append_requests", lost_reply)
     ns.ingest(requests(7, 3))
     monkeypatch.setattr(p, "append_requests", append)
+    if follower is not None:  # the follower reads them from the log before the spool drains: they are not another's
+        assert follower.poll() == 0 and ns.drafter.store.ring.documents == 33
     assert ns.spool.held == 3 and ns.spool.drain() == 3 and not ns.spool.holding
     assert ns.log.position == p.last_id()
     ns.ingest(requests(8, 2))
