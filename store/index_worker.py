@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from store.ring_buffer import copy_chunked
 from store.suffix_index import build_arrays
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class IndexWorker:
         with self._lock:
             shm = SharedMemory(create=True, size=n * 4)
             try:
-                np.ndarray((n,), dtype=np.int32, buffer=shm.buf)[:] = snapshot
+                copy_chunked(np.ndarray((n,), dtype=np.int32, buffer=shm.buf), snapshot)
                 proc = self._ensure()
                 assert proc.stdin is not None and proc.stdout is not None
                 proc.stdin.write(f"{shm.name} {n}\n")

@@ -13,6 +13,18 @@ logger = logging.getLogger(__name__)
 SEPARATOR = -1
 """Written after every document so that no match spans two requests."""
 
+COPY_CHUNK = 1 << 20
+"""Tokens copied per numpy call when a large range is read: a copy holds the interpreter lock, and a copy of tens
+of millions of tokens (the whole ring, for an index rebuild or an index file) would stall every draft call for
+tens of milliseconds; between chunks the lock can pass to them."""
+
+
+def copy_chunked(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[:] = src`` a ``COPY_CHUNK`` at a time (equal sizes), so that no one step holds the interpreter lock
+    long."""
+    for lo in range(0, int(src.size), COPY_CHUNK):
+        dst[lo:lo + COPY_CHUNK] = src[lo:lo + COPY_CHUNK]
+
 
 class RingBuffer:
     """Circular buffer of token ids addressed by absolute positions.
@@ -107,9 +119,15 @@ class RingBuffer:
             raise IndexError(f"range [{start}, {stop}) outside the held range [{self.oldest}, {self._end})")
         pos = start % self.capacity
         n = stop - start
-        if pos + n <= self.capacity:
-            return self._data[pos:pos + n].copy()
-        return np.concatenate([self._data[pos:], self._data[:n - (self.capacity - pos)]])
+        if n <= COPY_CHUNK:
+            if pos + n <= self.capacity:
+                return self._data[pos:pos + n].copy()
+            return np.concatenate([self._data[pos:], self._data[:n - (self.capacity - pos)]])
+        out = np.empty(n, dtype=self._data.dtype)
+        first = min(n, self.capacity - pos)
+        copy_chunked(out[:first], self._data[pos:pos + first])
+        copy_chunked(out[first:], self._data[:n - first])
+        return out
 
     def view(self) -> np.ndarray:
         """The raw slot array (read-only view); slot of absolute position p is ``p % capacity``."""

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from store import ring_buffer
 from store.ring_buffer import SEPARATOR, RingBuffer
 
 
@@ -125,6 +126,20 @@ def test_snapshot_is_a_writable_copy_of_the_held_range() -> None:
     tokens[:] = 0
     assert held(ring) == [2, 3, -1, 4, 5, 6, -1]
 
+
+
+def test_a_large_range_is_copied_in_chunks_with_the_same_result(monkeypatch) -> None:
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 100, int(rng.integers(1, 30))).tolist() for _ in range(40)]
+    small, chunked = RingBuffer(257), RingBuffer(257)
+    for doc in docs:  # wraps several times
+        small.append(doc)
+        chunked.append(doc)
+    expected = [small.read(small.oldest + a, small.oldest + b).tolist() for a, b in ((0, 257), (3, 250), (100, 101))]
+    monkeypatch.setattr(ring_buffer, "COPY_CHUNK", 16)
+    got = [chunked.read(chunked.oldest + a, chunked.oldest + b) for a, b in ((0, 257), (3, 250), (100, 101))]
+    assert [g.tolist() for g in got] == expected and all(g.dtype == np.int32 for g in got)
+    assert chunked.snapshot()[0].tolist() == expected[0]
 
 def test_view_is_read_only() -> None:
     ring = RingBuffer(4)
