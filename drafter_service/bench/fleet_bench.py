@@ -111,8 +111,10 @@ class FleetResult:
         raise ValueError(f"unknown scope {name!r}")
 
     def mats(self, scope: str = "all") -> dict[str, float]:
+        """MAT per drafter over the scope's requests; drafters with no step there (an empty scope) are left out."""
         where = self.scope(scope)
-        return {name: log.mat(where) for name, log in self.logs.items()}
+        return {name: log.mat(where) for name, log in self.logs.items()
+                if (log.steps if where is None else log.steps[where]).any()}
 
     def best_peer(self, scope: str = "all", among: Sequence[str] | None = None) -> tuple[str, float] | None:
         """The peer (among ``among``, default all) with the highest MAT in the scope, with it; None without peers."""

@@ -12,7 +12,7 @@ import pytest
 
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
 from drafter_service.bench.fleet import Fleet, FleetPlan, prefix_hash, replay_fleet, replay_shared, route
-from drafter_service.bench.fleet_bench import add_fleet_bench
+from drafter_service.bench.fleet_bench import FleetResult, add_fleet_bench, format_fleet
 from drafter_service.bench.ngram_mod import NGramModDrafter
 from drafter_service.bench.oracle import RetrievalOracle, SeenPrefixes
 from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
@@ -163,3 +163,14 @@ def test_bench_fleet_command_prints_both_tables_and_writes_json(tmp_path, capsys
     assert len(rows) == 12 and sum(r["scope"] == "after-restart" for r in rows) == 4
     first = rows[0]
     assert set(first["mat"]) == {"drafter", "oracle", "prompt-lookup", "pia"} and first["k"] == 4
+
+
+def test_a_setting_whose_restarts_leave_no_request_after_them_shows_no_figures() -> None:
+    reqs = _requests(4)
+    plan = FleetPlan.build(reqs, 2, "round-robin", 4)  # the only restart comes after the last request
+    logs = replay_fleet(reqs, plan, lambda: [PromptLookupDrafter()], 4, "chain", shared=[CoreDrafter()])
+    result = FleetResult("set", "chain", 4, plan, logs)
+    assert result.requests("after-restart") == 0 and result.mats("after-restart") == {}
+    assert result.best_peer("after-restart") is None and result.ratio("after-restart") is None
+    row = format_fleet([result]).splitlines()[-1]
+    assert row == "| set | chain 4 | 2 | round-robin | 4 | 0 | - | - | - | - | - |"
