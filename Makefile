@@ -94,7 +94,7 @@ bench: bench-peers
 		--frozen-corpus sharegpt --frozen-skip 3000 --frozen-limit 10000 --no-oracle \
 		--write-doc README.md:replay --write-doc docs/benchmarks.md:replay
 	$(VENV)/bin/drafter bench e2e --dataset gsm8k --dataset humaneval --dataset sharegpt --warm 16 --requests 6 \
-		--max-new-tokens 128 --methods greedy,drafter,hf-pld \
+		--max-new-tokens 128 --dtype bfloat16 --methods greedy,drafter,drafter-pre,hf-pld --fixed-budgets 4,8,16 \
 		--write-doc README.md:e2e --write-doc docs/benchmarks.md:e2e
 
 clean:
