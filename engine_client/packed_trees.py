@@ -119,24 +119,7 @@ class PackedTrees:
             code = edges.get((code << 32) | path[i], -1)
             if code < 0:
                 return [], []
-        best, prob, token, min_prob = self.best, self.prob, self.token, self.min_prob
-        base = prob[code]
-        if base <= 0.0:
-            base = 1.0
-        tokens: list[int] = []
-        estimates: list[float] = []
-        for _ in range(min(max_len, self.width)):
-            code = best[code]
-            if code < 0:
-                break
-            p = prob[code] / base
-            if p > 1.0:
-                p = 1.0
-            if p < min_prob or p <= 0.0:
-                break
-            tokens.append(token[code])
-            estimates.append(p)
-        return tokens, estimates
+        return self.chain(code, max_len)
 
     def subtree(self, code: int, max_nodes: int) -> DraftTree:
         """The part of ``code``'s tree strictly below it, re-rooted there (``DraftTree.subtree``), cut to its first

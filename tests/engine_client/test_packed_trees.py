@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tree_strategies import trees
 
 from drafter_service.api.tree import DraftTree
 from engine_client.packed_trees import PackedTrees
@@ -39,23 +40,6 @@ def test_the_chain_takes_the_likeliest_child_with_estimates_given_its_start():
     assert PackedTrees.from_trees([FIRST], width=2).chain(0, 8)[0] == [5, 6]  # no longer than the width
     assert packed.chain(packed.descend(0, [9, 10]), 8) == ([], [])  # a leaf
     assert packed.chain(1, 8) == ([5, 1], [0.6, 0.2])
-
-
-@st.composite
-def trees(draw) -> DraftTree:
-    n = draw(st.integers(0, 12))
-    parents: list[int] = []
-    tokens: list[int] = []
-    probs: list[float] = []
-    for i in range(n):
-        parent = draw(st.integers(-1, i - 1))
-        taken = {t for t, p in zip(tokens, parents, strict=True) if p == parent}
-        tok = draw(st.integers(0, 6).filter(lambda t, taken=taken: t not in taken))
-        cap = probs[parent] if parent >= 0 else 1.0
-        parents.append(parent)
-        tokens.append(tok)
-        probs.append(draw(st.floats(0.01, 1.0)) * cap)
-    return DraftTree(tuple(tokens), tuple(parents), tuple(probs))
 
 
 def naive_chain(tree: DraftTree, path: list[int], max_len: int) -> list[int] | None:

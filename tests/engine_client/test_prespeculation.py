@@ -12,6 +12,7 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tree_strategies import trees
 
 from drafter_service.api.tree import EMPTY_TREE, DraftTree, accept_greedy
 from drafter_service.bench.serve_bench import ServiceProcess
@@ -217,21 +218,6 @@ def test_the_subtree_below_a_code_is_re_rooted_there_in_tree_order_with_estimate
     cut = PackedTrees.from_trees([FIRST], width=8, min_prob=0.5)  # under 0.5 given the code: left out, and below
     assert cut.subtree(cut.descend(0, [5]), 8) == tree((6,), (-1,), (0.8 / 0.9,))
     assert cut.subtree(0, 8) == tree((5, 9, 6), (-1, -1, 0), (0.9, 0.5, 0.8))
-
-
-@st.composite
-def trees(draw) -> DraftTree:
-    n = draw(st.integers(0, 12))
-    parents: list[int] = []
-    tokens: list[int] = []
-    probs: list[float] = []
-    for i in range(n):
-        parent = draw(st.integers(-1, i - 1))
-        taken = {t for t, p in zip(tokens, parents, strict=True) if p == parent}
-        tokens.append(draw(st.integers(0, 6).filter(lambda t, taken=taken: t not in taken)))
-        parents.append(parent)
-        probs.append(draw(st.floats(0.01, 1.0)) * (probs[parent] if parent >= 0 else 1.0))
-    return DraftTree(tuple(tokens), tuple(parents), tuple(probs), float(sum(probs)))
 
 
 @settings(max_examples=150, deadline=None)
