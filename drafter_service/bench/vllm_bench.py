@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from drafter_service.bench.e2e import DEFAULT_DRAFT, draft_folder_of
-from drafter_service.bench.e2e_prompts import E2E_DATASETS, load_prompts
+from drafter_service.bench.e2e_prompts import E2E_DATASETS, MULTITURN_SETS, load_prompts
 from drafter_service.bench.machine import machine
 from drafter_service.bench.serve_bench import ServiceProcess
 from drafter_service.bench.vllm_process import Generation, VllmEngineProcess, vllm_python, wait_for
@@ -46,7 +46,8 @@ def add_vllm_bench(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("vllm", help="acceptance and speed inside vLLM: no speculation, ngram, suffix and drafter "
                          "(drafter-sync: without pre-speculation; drafter-fixed: its chains cut by a fixed minimum "
                          "estimate, not by step costs) on the same held-back prompts after the same warm-up")
-    p.add_argument("--dataset", action="append", choices=E2E_DATASETS, help="workload (repeatable; default all)")
+    p.add_argument("--dataset", action="append", choices=E2E_DATASETS,
+                   help="workload (repeatable; default gsm8k, humaneval and sharegpt)")
     p.add_argument("--warm", type=int, default=24, help="earlier prompts of each workload generated first")
     p.add_argument("--requests", type=int, default=16, help="held-back prompts measured per workload (one batch)")
     p.add_argument("--max-tokens", type=int, default=192, help="tokens generated per prompt")
@@ -199,7 +200,7 @@ def run_vllm_bench(args: argparse.Namespace) -> int:
     model = str(smollm2_checkpoint())
     prompts = {d: ([p.token_ids.tolist() for p in load_prompts(d, args.warm)],
                    [p.token_ids.tolist() for p in load_prompts(d, args.requests, skip=args.warm)])
-               for d in args.dataset or [d for d in E2E_DATASETS if d != "random"]}
+               for d in args.dataset or [d for d in E2E_DATASETS if d != "random" and d not in MULTITURN_SETS]}
     log = open(args.engine_log, "a") if args.engine_log else None  # noqa: SIM115 (closed below)
     runs: list[MethodRun] = []
     reference: dict[str, list[list[int]]] | None = None

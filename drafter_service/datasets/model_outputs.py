@@ -8,11 +8,12 @@ generates only the requests that file does not hold yet and a larger load extend
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BATCH_SIZE", "EOS", "MAX_NEW_TOKENS", "MODEL_OUTPUT_SETS", "greedy_batch", "load_model_outputs"]
+__all__ = ["BATCH_SIZE", "EOS", "MAX_NEW_TOKENS", "MODEL_OUTPUT_SETS", "generation_threads", "greedy_batch",
+           "load_model_outputs"]
 
 #: Data set name -> the prompt workload whose questions SmolLM2 answers.
 MODEL_OUTPUT_SETS = {"smollm2-gsm8k": "gsm8k", "smollm2-humaneval": "humaneval"}
@@ -53,6 +55,24 @@ THREADS_ENV = "DRAFTER_GENERATE_THREADS"
 
 #: Bump when the prompts or the generation settings change, so stale cache files are not read.
 CACHE_VERSION = 1
+
+
+@contextlib.contextmanager
+def generation_threads() -> Iterator[int]:
+    """Run the block with :data:`THREADS` torch threads (``$DRAFTER_GENERATE_THREADS`` overrides), then restore.
+
+    Yields:
+        The thread count set.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    threads = int(os.environ.get(THREADS_ENV) or THREADS)
+    torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def _load_model() -> PreTrainedModel:
@@ -194,13 +214,9 @@ def load_model_outputs(name: str, limit: int | None) -> list[Request]:
     missing = prompts[len(done):]
     if not missing:
         return done[:len(prompts)]
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get(THREADS_ENV) or THREADS))
     t0 = time.perf_counter()
     tokens = step = 0
-    try:
+    with generation_threads():
         model = _load_model()
         with tqdm(total=len(missing), desc=f"{name}: generating", unit="req") as bar:
 
@@ -218,8 +234,6 @@ def load_model_outputs(name: str, limit: int | None) -> list[Request]:
             for start in range(0, len(missing), CHUNK_SIZE):
                 done += _generate_chunk(model, missing[start:start + CHUNK_SIZE], batch_done, step_done)
                 write_requests(path, done)
-    finally:
-        torch.set_num_threads(threads)
     logger.info("generated %d %s answers (%d tokens) in %.1f s; cached in %s", len(missing), name, tokens,
                 time.perf_counter() - t0, path)
     return done

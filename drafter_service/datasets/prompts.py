@@ -14,7 +14,7 @@ from drafter_service.datasets.json_array import iter_json_array
 from drafter_service.datasets.target_model import chat_prompt
 from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
 
-__all__ = ["MAX_QUESTION_TOKENS", "PROMPT_SETS", "Prompt", "load_prompts"]
+__all__ = ["MAX_QUESTION_TOKENS", "PROMPT_SETS", "Prompt", "load_prompts", "load_questions"]
 
 #: Workloads :func:`load_prompts` knows.
 PROMPT_SETS = ("gsm8k", "humaneval", "sharegpt")
@@ -69,6 +69,42 @@ def _sharegpt_questions() -> Iterator[tuple[str, str]]:
 _SOURCES = {"gsm8k": _gsm8k_questions, "humaneval": _humaneval_questions, "sharegpt": _sharegpt_questions}
 
 
+def load_questions(name: str, count: int | None, skip: int = 0,
+                   max_question_tokens: int | None = MAX_QUESTION_TOKENS) -> list[tuple[str, str]]:
+    """The questions of a workload in source order, as plain text: ``count`` of them after skipping ``skip``.
+
+    Args:
+        name: one of :data:`PROMPT_SETS`.
+        count: questions returned at most (``None``: all that remain).
+        skip: kept questions skipped first.
+        max_question_tokens: questions longer than this are left out before counting (``None``: none are).
+
+    Returns:
+        ``(prompt_id, question)`` pairs (fewer than ``count`` when the workload runs out); a HumanEval
+        question is the request to complete its code prompt.
+
+    Raises:
+        ValueError: for an unknown workload.
+    """
+    if name not in _SOURCES:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(PROMPT_SETS)}")
+    out: list[tuple[str, str]] = []
+    if count is not None and count <= 0:
+        return out
+    tokenizer = load_smollm2_tokenizer()
+    seen = 0
+    for prompt_id, question in _SOURCES[name]():
+        if max_question_tokens is not None and len(tokenizer.encode(question).ids) > max_question_tokens:
+            continue
+        seen += 1
+        if seen <= skip:
+            continue
+        out.append((prompt_id, question))
+        if count is not None and len(out) >= count:
+            break
+    return out
+
+
 def load_prompts(name: str, count: int | None, skip: int = 0,
                  max_question_tokens: int | None = MAX_QUESTION_TOKENS) -> list[Prompt]:
     """Chat prompts of a workload in source order: ``count`` of them after skipping the first ``skip``.
@@ -85,21 +121,7 @@ def load_prompts(name: str, count: int | None, skip: int = 0,
     Raises:
         ValueError: for an unknown workload.
     """
-    if name not in _SOURCES:
-        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(PROMPT_SETS)}")
+    questions = load_questions(name, count, skip, max_question_tokens)
     tokenizer = load_smollm2_tokenizer()
-    out: list[Prompt] = []
-    if count is not None and count <= 0:
-        return out
-    seen = 0
-    for prompt_id, question in _SOURCES[name]():
-        if max_question_tokens is not None and len(tokenizer.encode(question).ids) > max_question_tokens:
-            continue
-        seen += 1
-        if seen <= skip:
-            continue
-        ids = np.asarray(tokenizer.encode(chat_prompt(question)).ids, dtype=np.int32)
-        out.append(Prompt(prompt_id, ids))
-        if count is not None and len(out) >= count:
-            break
-    return out
+    return [Prompt(prompt_id, np.asarray(tokenizer.encode(chat_prompt(question)).ids, dtype=np.int32))
+            for prompt_id, question in questions]

@@ -8,6 +8,7 @@ import pathlib
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from drafter_service.datasets.cache import cache_dir
@@ -29,6 +30,27 @@ SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 def chat_prompt(question: str) -> str:
     """A single-turn chat prompt in SmolLM2-Instruct's format, ending where the assistant's answer starts."""
     return (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+
+
+def conversation_prompt(questions: Sequence[str], answers: Sequence[str]) -> str:
+    """A multi-turn chat prompt in SmolLM2-Instruct's format, ending where the answer to the last question starts.
+
+    Each message is ``<|im_start|>{role}\\n{text}<|im_end|>\\n`` (the model's chat template); one question
+    and no answer give :func:`chat_prompt`.
+
+    Args:
+        questions: the user's messages, in order (at least one).
+        answers: the assistant's answers to all but the last question (text without ``<|im_end|>``).
+
+    Raises:
+        ValueError: unless there is exactly one answer fewer than questions.
+    """
+    if not questions or len(answers) != len(questions) - 1:
+        raise ValueError(f"{len(questions)} questions need {max(len(questions) - 1, 0)} answers, got {len(answers)}")
+    history = "".join(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n"
+                      for q, a in zip(questions, answers, strict=False))
+    return (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n{history}<|im_start|>user\n{questions[-1]}<|im_end|>\n"
             "<|im_start|>assistant\n")
 
 

@@ -38,7 +38,7 @@ def test_question_length_cap() -> None:
 
 
 def test_e2e_prompts_keeps_its_names() -> None:
-    assert set(e2e_prompts.E2E_DATASETS) == {"gsm8k", "humaneval", "sharegpt", "random"}
+    assert set(e2e_prompts.E2E_DATASETS) == {"gsm8k", "humaneval", "sharegpt", "random", "smollm2-multiturn"}
     assert [p.token_ids.tolist() for p in e2e_prompts.load_prompts("humaneval", 2)] == [
         p.token_ids.tolist() for p in load_prompts("humaneval", 2)]
     assert [p.prompt_id for p in e2e_prompts.load_prompts("humaneval", 2)] == ["HumanEval/0", "HumanEval/1"]
