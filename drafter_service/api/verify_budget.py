@@ -31,6 +31,13 @@ GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512
         6144, 8192)
 
 
+#: A step counts for at most this many times its bucket's mean so far (once the bucket has seen ``CLIP_AFTER`` steps):
+#: one slow step (a garbage collection, another process taking the cores) moves the estimate by a bounded amount and
+#: cannot make a size look unaffordable for the next dozen steps, while a lasting change is still followed within a
+#: few steps.
+CLIP_FACTOR = 2.0
+CLIP_AFTER = 3.0
+
 #: Bounds of the calibration's power law: beyond them one workload's extremes would rule every estimate.
 GAMMA_RANGE = (0.25, 4.0)
 
@@ -57,7 +64,8 @@ class StepCostCurve:
     """``t(n)``: seconds of a verification step with ``n`` draft nodes, learned from the steps an engine ran.
 
     Steps fall into buckets by size (``GRID``); each bucket keeps a decaying mean of its steps' sizes and times, so
-    it follows the cache growing and the machine's load. ``seconds(n)`` interpolates between the buckets' points
+    it follows the cache growing and the machine's load; a step slower than twice its bucket's mean counts as twice
+    the mean (``CLIP_FACTOR``). ``seconds(n)`` interpolates between the buckets' points
     (kept non-decreasing); past the largest one it is flat (see ``seconds``).
     """
 
@@ -92,6 +100,8 @@ class StepCostCurve:
             return
         i = bisect.bisect_right(GRID, nodes) - 1
         d = self.decay
+        if self._w[i] >= CLIP_AFTER:
+            seconds = min(float(seconds), CLIP_FACTOR * self._st[i] / self._w[i])
         self._w[i] = d * self._w[i] + 1.0
         self._sn[i] = d * self._sn[i] + float(nodes)
         self._st[i] = d * self._st[i] + float(seconds)

@@ -58,6 +58,20 @@ def test_curve_follows_new_times_and_stays_non_decreasing():
     assert curve.seconds(16) >= curve.seconds(8)
 
 
+def test_one_slow_step_moves_the_curve_a_bounded_amount_and_a_lasting_change_is_followed():
+    curve = StepCostCurve(decay=0.9)
+    for _ in range(20):
+        curve.observe(4, 0.100)
+    curve.observe(4, 5.0)  # a pause: counted as twice the mean
+    assert curve.seconds(4) == pytest.approx(0.110, rel=0.02)
+    for _ in range(40):
+        curve.observe(4, 0.300)  # the machine got slower: followed
+    assert curve.seconds(4) == pytest.approx(0.300, rel=0.02)
+    fresh = StepCostCurve(decay=0.9)
+    fresh.observe(8, 1.0)  # a bucket's first steps are taken as they come
+    assert fresh.seconds(8) == pytest.approx(1.0)
+
+
 def test_past_the_largest_measured_size_the_estimate_is_optimistic():
     curve = StepCostCurve()
     curve.observe(0, 0.1)
