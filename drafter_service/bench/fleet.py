@@ -1,42 +1,32 @@
 """A fleet of engine replicas replayed: routing, restarts, per-replica peers beside one shared drafter.
 
 Recorded requests are served one after another, in order, as ``bench replay`` serves them; each goes to one of N
-replicas (round robin, or by a stable hash of its prompt's first tokens, as cache-aware routers route). Every replica
-has its own in-process peers, which learn only from the requests that replica served; drafter is one core shared by
-the whole fleet, so a request any replica completed reaches the others only through drafter's store. Every R
-requests one replica, in turn, restarts: its peers start empty, drafter keeps everything.
+replicas (round robin, or by prefix affinity: to the replica that served the longest matching prompt prefix, as
+cache-aware routers route, see ``prefix_router``). Every replica has its own in-process peers, which learn only from
+the requests that replica served; drafter is one core shared by the whole fleet, so a request any replica completed
+reaches the others only through drafter's store. Every R requests one replica, in turn, restarts: its peers start
+empty, drafter keeps everything.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from drafter_service.bench.prefix_router import PrefixRouter
 from drafter_service.bench.protocol import ReplayDrafter
 from drafter_service.bench.replay import Mode, replay
 from drafter_service.datasets.loaders import Request
 
-__all__ = ["AFTER_RESTART", "PREFIX_TOKENS", "ROUTINGS", "Fleet", "FleetPlan", "RequestLog", "prefix_hash",
-           "replay_fleet", "replay_shared", "route"]
+__all__ = ["AFTER_RESTART", "ROUTINGS", "Fleet", "FleetPlan", "RequestLog", "replay_fleet", "replay_shared", "route"]
 
-#: How requests are routed to replicas: in turn, or by the hash of the prompt's first tokens.
+#: How requests are routed to replicas: in turn, or to the replica that served the longest matching prompt prefix.
 ROUTINGS = ("round-robin", "prefix")
-
-#: Prompt tokens hashed by prefix-affinity routing.
-PREFIX_TOKENS = 16
 
 #: Requests a replica serves after a restart that count as "after the restart".
 AFTER_RESTART = 50
-
-
-def prefix_hash(prompt: Sequence[int] | np.ndarray, tokens: int = PREFIX_TOKENS) -> int:
-    """A stable hash of the prompt's first ``tokens`` tokens (CRC-32 of them as little-endian int32): the same in
-    every process and run, unlike Python's salted ``hash`` of strings."""
-    head = np.asarray(prompt, dtype="<i4").reshape(-1)[:tokens]
-    return zlib.crc32(head.tobytes())
 
 
 def route(requests: Sequence[Request], replicas: int, routing: str) -> np.ndarray:
@@ -45,8 +35,9 @@ def route(requests: Sequence[Request], replicas: int, routing: str) -> np.ndarra
     Args:
         requests: the requests, in the order the fleet serves them.
         replicas: N, at least 1.
-        routing: ``"round-robin"`` (request i to replica i mod N) or ``"prefix"`` (``prefix_hash`` of its prompt
-            mod N: requests whose prompts start alike go to the same replica).
+        routing: ``"round-robin"`` (request i to replica i mod N) or ``"prefix"`` (``PrefixRouter``: to the
+            replica that served the prompt sharing the longest prefix with it, beyond what every prompt shares,
+            else to the least-loaded one).
 
     Returns:
         (len(requests),) int64 replica indexes.
@@ -59,7 +50,8 @@ def route(requests: Sequence[Request], replicas: int, routing: str) -> np.ndarra
     if routing == "round-robin":
         return np.arange(len(requests), dtype=np.int64) % replicas
     if routing == "prefix":
-        return np.array([prefix_hash(r.prompt) % replicas for r in requests], dtype=np.int64)
+        router = PrefixRouter(replicas)
+        return np.array([router.route(r.prompt) for r in requests], dtype=np.int64)
     raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
 
 

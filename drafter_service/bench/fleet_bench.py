@@ -47,7 +47,8 @@ def add_fleet_bench(bench: argparse._SubParsersAction) -> None:
                     "many nodes (repeatable)")
     fp.add_argument("--replicas", default="1,2,4,8,16", help="comma-separated numbers of engine replicas N")
     fp.add_argument("--routing", default=",".join(ROUTINGS), help="comma-separated routings: round-robin (in turn), "
-                    "prefix (a stable hash of the prompt's first 16 tokens mod N)")
+                    "prefix (to the replica that served the longest matching prompt prefix, at least 32 tokens and "
+                    "longer than what all prompts share; else the least-loaded)")
     fp.add_argument("--restart-every", default="0", help="comma-separated R: every R requests of the fleet one "
                     "replica, in turn, restarts with empty peers (0: never)")
     fp.add_argument("--after-restart", type=int, default=AFTER_RESTART, help="requests a replica serves after a "

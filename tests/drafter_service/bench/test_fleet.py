@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
-from drafter_service.bench.fleet import Fleet, FleetPlan, prefix_hash, replay_fleet, replay_shared, route
+from drafter_service.bench.fleet import Fleet, FleetPlan, replay_fleet, replay_shared, route
 from drafter_service.bench.fleet_bench import FleetResult, add_fleet_bench, format_fleet
 from drafter_service.bench.ngram_mod import NGramModDrafter
 from drafter_service.bench.oracle import RetrievalOracle, SeenPrefixes
 from drafter_service.bench.peers import ArcticSuffixDrafter, PromptLookupDrafter, arctic_available
 from drafter_service.bench.pia_trie import PiaLookaheadDrafter
+from drafter_service.bench.prefix_router import PrefixRouter, block_hashes
 from drafter_service.bench.protocol import ReplayDrafter
 from drafter_service.bench.replay import CoreDrafter, Mode, replay
 from drafter_service.datasets.loaders import Request, write_requests
@@ -64,16 +65,54 @@ def test_round_robin_assigns_requests_in_turn() -> None:
     assert route(_requests(3), 1, "round-robin").tolist() == [0, 0, 0]
 
 
-def test_prefix_affinity_sends_the_same_first_tokens_to_the_same_replica() -> None:
-    assert prefix_hash([1, 2, 3]) == zlib.crc32(bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]))
-    assert prefix_hash(list(range(16)) + [7]) == prefix_hash(list(range(16)) + [8])  # only 16 tokens count
-    reqs = _requests(12)  # two prompt families: the same 16 first tokens, different tails
+def _prompt(*parts: np.ndarray) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int32)
+
+
+def test_prefix_affinity_sends_a_long_shared_prefix_to_the_replica_that_served_it() -> None:
+    rng = np.random.default_rng(1)
+    system = rng.integers(0, 50, 40)  # the line every prompt starts with
+    docs = [rng.integers(100, 200, 64) for _ in range(3)]  # three long documents asked about again and again
+    reqs = [Request(f"r{i}", _prompt(system, docs[i % 3], rng.integers(0, 50, 8)), np.array([1], dtype=np.int32))
+            for i in range(12)]
     for n in (2, 4, 16):
-        replica = route(reqs, n, "prefix")
-        assert len(set(replica[0::2].tolist())) == 1 and len(set(replica[1::2].tolist())) == 1
-        assert replica[0] == prefix_hash(reqs[0].prompt) % n
-    many = [Request(str(i), np.array([i, i + 1], dtype=np.int32), np.array([1], dtype=np.int32)) for i in range(64)]
-    assert len(set(route(many, 4, "prefix").tolist())) == 4  # distinct prompts spread over the replicas
+        replica = route(reqs, n, "prefix").tolist()
+        # the second prompt cannot yet tell the system line from a shared document: it follows the first; the
+        # third matches no more than what all prompts share so far, and goes to the least-loaded replica
+        assert replica[:3] == [0, 0, 1]
+        for d in range(3):
+            assert len(set(replica[d::3])) == 1, (n, replica)
+    # a conversation's next turn (its prompt extends the first) goes where the first turn went
+    turn1 = _prompt(system[:20], rng.integers(200, 300, 20))
+    turn2 = _prompt(turn1, rng.integers(200, 300, 30))
+    other = _prompt(system[:20], rng.integers(200, 300, 20))
+    convo = [Request(str(i), p, np.array([1], dtype=np.int32)) for i, p in enumerate([turn1, other, turn2])]
+    assert route(convo, 4, "prefix").tolist() == [0, 1, 0]
+
+
+def test_prompts_that_share_only_a_system_line_spread_over_the_replicas() -> None:
+    rng = np.random.default_rng(2)
+    system = rng.integers(0, 50, 100)  # longer than the 32-token minimum: only "longer than all share" stops it
+    many = [Request(str(i), _prompt(system, rng.integers(100, 200, 20)), np.array([1], dtype=np.int32))
+            for i in range(64)]
+    replica = route(many, 4, "prefix")
+    assert np.bincount(replica, minlength=4).tolist() == [16, 16, 16, 16]
+    short = [Request(str(i), np.array([i, i + 1], dtype=np.int32), np.array([1], dtype=np.int32)) for i in range(8)]
+    assert route(short, 4, "prefix").tolist() == [0, 1, 2, 3, 0, 1, 2, 3]  # no match: the least-loaded replica
+
+
+def test_a_match_counts_from_32_tokens_in_whole_tokens_past_the_hashed_blocks() -> None:
+    router = PrefixRouter(4)
+    head = np.arange(20)
+    # 20 shared tokens are under the 32-token minimum: each prompt goes to the least-loaded replica
+    assert [router.route(_prompt(head, np.full(40, i + 100))) for i in range(3)] == [0, 1, 2]
+    assert router.shared() == 20 and router.match(_prompt(head, np.full(40, 101))) == (60, 1)
+    # 40 tokens in common with the second prompt, though only its first two blocks (32 tokens) hash alike
+    assert router.route(_prompt(head, np.full(20, 101), np.full(20, 7))) == 1
+    assert router.route(_prompt(np.arange(100, 140))) == 3  # nothing known: the least-loaded replica
+    assert block_hashes(list(range(40)))[1] == zlib.crc32(np.arange(16, 32, dtype="<i4").tobytes(),
+                                                          zlib.crc32(np.arange(16, dtype="<i4").tobytes()))
+    assert len(block_hashes(list(range(40)))) == 2  # whole blocks only
 
 
 def test_bad_routing_and_sizes_are_refused() -> None:
