@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from drafter_service.bench.commands import add_bench_commands
@@ -26,9 +27,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM ends a command as Ctrl-C would: ``finally`` blocks run, so a bench stops the services it started."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``drafter`` script."""
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # (`serve` installs its own: a graceful stop)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(args.func(args) or 0)
 

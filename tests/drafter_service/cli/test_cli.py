@@ -1,11 +1,14 @@
 """The `drafter` command line: bench replay on request files."""
 
 import json
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from drafter_service.cli.main import main
+from drafter_service.cli.main import exit_on_sigterm, main
 from drafter_service.datasets.loaders import Request, write_requests
 
 
@@ -52,3 +55,27 @@ def test_bench_replay_chain_mode_and_the_oracle(tmp_path, capsys):
         assert row["mat"] <= rows[("oracle", mode, budget)]["mat"]
     # the answer is all seen after the first request: the oracle then emits 4 + 1 tokens a step
     assert rows[("oracle", "chain", 4)]["steps"] <= answer.size + 4 * -(-answer.size // 5)
+
+
+def test_sigterm_ends_a_command_with_its_finally_blocks_run():
+    """A bench stopped with SIGTERM stops the services it started (they are closed in ``finally`` blocks)."""
+    script = ("import os, signal, time\n"
+              "from drafter_service.cli.main import exit_on_sigterm\n"
+              "signal.signal(signal.SIGTERM, exit_on_sigterm)\n"
+              "try:\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(10)\n"
+              "finally:\n"
+              "    print('children stopped', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM and done.stdout == "children stopped\n"
+
+
+def test_the_command_line_installs_the_sigterm_handler():
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit):
+            main(["bench", "replay"])  # (no input: explains itself and exits) after installing the handler
+        assert signal.getsignal(signal.SIGTERM) is exit_on_sigterm
+    finally:
+        signal.signal(signal.SIGTERM, previous)
