@@ -13,7 +13,7 @@ import logging
 import os
 import pathlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -75,7 +75,7 @@ def generation_threads() -> Iterator[int]:
         torch.set_num_threads(before)
 
 
-def _load_model() -> PreTrainedModel:
+def load_generating_model() -> PreTrainedModel:
     """The generating model: SmolLM2-135M-Instruct in float32."""
     import torch
 
@@ -136,11 +136,24 @@ def greedy_batch(model: Any, prompts: list[np.ndarray], max_new_tokens: int = MA
     return answers
 
 
-def _cache_path(name: str) -> pathlib.Path:
-    return cache_dir() / f"outputs-{name}-greedy{MAX_NEW_TOKENS}-float32.v{CACHE_VERSION}.jsonl"
+def output_cache_path(name: str, max_new_tokens: int, version: int) -> pathlib.Path:
+    """The cache file of a generated set (``version``: the generating module's cache version)."""
+    return cache_dir() / f"outputs-{name}-greedy{max_new_tokens}-float32.v{version}.jsonl"
 
 
-def _read_cached(path: pathlib.Path) -> list[Request]:
+def check_set_request(name: str, sets: Sequence[str], limit: int | None) -> None:
+    """Refuse a set name not among ``sets`` or a negative limit.
+
+    Raises:
+        ValueError: on an unknown name or a negative limit.
+    """
+    if name not in sets:
+        raise ValueError(f"unknown data set {name!r}; choose from {', '.join(sets)}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+
+
+def read_cached(path: pathlib.Path) -> list[Request]:
     """The requests cached so far, or none when the file is missing or malformed."""
     if not path.is_file():
         return []
@@ -197,12 +210,9 @@ def load_model_outputs(name: str, limit: int | None) -> list[Request]:
     Raises:
         ValueError: on an unknown name or a negative limit.
     """
-    if name not in MODEL_OUTPUT_SETS:
-        raise ValueError(f"unknown data set {name!r}; choose from {', '.join(MODEL_OUTPUT_SETS)}")
-    if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
-    path = _cache_path(name)
-    done = _read_cached(path)
+    check_set_request(name, list(MODEL_OUTPUT_SETS), limit)
+    path = output_cache_path(name, MAX_NEW_TOKENS, CACHE_VERSION)
+    done = read_cached(path)
     if limit is not None and len(done) >= limit:
         logger.info("loaded %d %s requests from %s", limit, name, path)
         return done[:limit]
@@ -217,7 +227,7 @@ def load_model_outputs(name: str, limit: int | None) -> list[Request]:
     t0 = time.perf_counter()
     tokens = step = 0
     with generation_threads():
-        model = _load_model()
+        model = load_generating_model()
         with tqdm(total=len(missing), desc=f"{name}: generating", unit="req") as bar:
 
             def batch_done(requests: int, new_tokens: int) -> None:

@@ -22,16 +22,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from drafter_service.datasets.cache import cache_dir
 from drafter_service.datasets.conversations import Conversation, load_conversations, replay_order
-from drafter_service.datasets.model_outputs import BATCH_SIZE, generation_threads, greedy_batch
-from drafter_service.datasets.request_files import Request, read_requests, write_requests
-from drafter_service.datasets.target_model import load_smollm2
+from drafter_service.datasets.model_outputs import (
+    BATCH_SIZE,
+    MAX_NEW_TOKENS,
+    check_set_request,
+    generation_threads,
+    greedy_batch,
+    output_cache_path,
+    read_cached,
+)
+from drafter_service.datasets.model_outputs import load_generating_model as _load_model
+from drafter_service.datasets.request_files import Request, write_requests
 from drafter_service.datasets.tokenizer import load_smollm2_tokenizer
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
-    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -43,33 +49,17 @@ MULTITURN_SETS = ("smollm2-multiturn",)
 #: GSM8K conversations, and as many HumanEval ones (3 turns each).
 CONVERSATIONS_PER_WORKLOAD = 40
 
-#: Most tokens generated per answer.
-MAX_NEW_TOKENS = 256
-
 #: Bump when the conversations, the template or the generation settings change, so stale cache files are not read.
 CACHE_VERSION = 1
 
 
-def _load_model() -> PreTrainedModel:
-    """The generating model: SmolLM2-135M-Instruct in float32."""
-    import torch
-
-    return load_smollm2(torch.float32)
-
-
 def _cache_path(name: str) -> pathlib.Path:
-    return cache_dir() / f"outputs-{name}-greedy{MAX_NEW_TOKENS}-float32.v{CACHE_VERSION}.jsonl"
+    return output_cache_path(name, MAX_NEW_TOKENS, CACHE_VERSION)
 
 
 def _read_cached(path: pathlib.Path) -> dict[str, Request]:
     """The requests cached so far by id, or none when the file is missing or malformed."""
-    if not path.is_file():
-        return {}
-    try:
-        return {r.request_id: r for r in read_requests(path)}
-    except ValueError:
-        logger.warning("cache file %s is malformed; generating it again", path, exc_info=True)
-        return {}
+    return {r.request_id: r for r in read_cached(path)}
 
 
 class _Transcripts:
@@ -154,10 +144,7 @@ def load_multiturn(name: str, limit: int | None) -> list[Request]:
     Raises:
         ValueError: on an unknown name or a negative limit.
     """
-    if name not in MULTITURN_SETS:
-        raise ValueError(f"unknown data set {name!r}; choose from {', '.join(MULTITURN_SETS)}")
-    if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
+    check_set_request(name, MULTITURN_SETS, limit)
     conversations = load_conversations(CONVERSATIONS_PER_WORKLOAD)
     order = replay_order([len(c.questions) for c in conversations])
     chosen = order[:limit]

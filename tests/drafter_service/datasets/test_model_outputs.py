@@ -79,7 +79,7 @@ def prefill_rows(tiny_model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch) 
             rows.append(int(ids.shape[0]))
 
     handle = tiny_model.register_forward_pre_hook(count, with_kwargs=True)
-    monkeypatch.setattr(model_outputs, "_load_model", lambda: tiny_model)
+    monkeypatch.setattr(model_outputs, "load_generating_model", lambda: tiny_model)
     yield rows
     handle.remove()
 
@@ -111,7 +111,7 @@ def test_cache_serves_smaller_loads_and_larger_loads_generate_only_the_rest(
     assert len(files) == 1 and len(list(read_requests(files[0]))) == 5
 
     with monkeypatch.context() as m:
-        m.setattr(model_outputs, "_load_model", _no_model)
+        m.setattr(model_outputs, "load_generating_model", _no_model)
         small = load_dataset("smollm2-gsm8k", limit=3)
     assert [r.request_id for r in small] == [r.request_id for r in first[:3]]
     assert all(np.array_equal(a.output, b.output) for a, b in zip(small, first, strict=False))

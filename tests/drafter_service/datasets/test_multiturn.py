@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from drafter_service.datasets import multiturn
+from drafter_service.datasets.cache import cache_dir
 from drafter_service.datasets.conversations import FOLLOW_UPS, load_conversations, replay_order
 from drafter_service.datasets.loaders import DATASET_NAMES, DEFAULT_LIMITS, load_dataset, read_requests, write_requests
 from drafter_service.datasets.prompts import load_prompts
@@ -154,7 +155,7 @@ def test_loaded_set_follows_the_replay_order_and_limits_take_its_prefix(fake: Fa
 
 def test_cached_file_is_read_back_without_generating(fake: FakeGenerator, monkeypatch: pytest.MonkeyPatch) -> None:
     reqs = load_dataset("smollm2-multiturn")
-    files = list(multiturn.cache_dir().glob("outputs-smollm2-multiturn-*.jsonl"))
+    files = list(cache_dir().glob("outputs-smollm2-multiturn-*.jsonl"))
     assert len(files) == 1 and [r.request_id for r in read_requests(files[0])] == [r.request_id for r in reqs]
     monkeypatch.setattr(multiturn, "greedy_batch", _refuse)
     monkeypatch.setattr(multiturn, "_load_model", _refuse)
@@ -167,7 +168,7 @@ def test_cached_file_is_read_back_without_generating(fake: FakeGenerator, monkey
 
 def test_partial_cache_is_extended(fake: FakeGenerator) -> None:
     first = load_dataset("smollm2-multiturn", limit=8)
-    path = next(multiturn.cache_dir().glob("outputs-smollm2-multiturn-*.jsonl"))
+    path = next(cache_dir().glob("outputs-smollm2-multiturn-*.jsonl"))
     assert len(list(read_requests(path))) == 8
     fake.batches.clear()
     everything = load_dataset("smollm2-multiturn")
@@ -178,7 +179,7 @@ def test_partial_cache_is_extended(fake: FakeGenerator) -> None:
 
 def test_a_changed_answer_regenerates_the_turns_after_it(fake: FakeGenerator) -> None:
     reqs = load_dataset("smollm2-multiturn")
-    path = next(multiturn.cache_dir().glob("outputs-smollm2-multiturn-*.jsonl"))
+    path = next(cache_dir().glob("outputs-smollm2-multiturn-*.jsonl"))
     new_answer = np.asarray([*load_smollm2_tokenizer().encode("Edited answer.").ids, IM_END], dtype=np.int32)
     edited = [Request(r.request_id, r.prompt, new_answer) if r.request_id == "HumanEval/1-t1" else r for r in reqs]
     write_requests(path, edited)
