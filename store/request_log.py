@@ -114,9 +114,7 @@ redis.call('HSET', KEYS[2], 'end', string.format('%d', pos))
 if first then
   done = math.max(done, first + (#ARGV - 1) / 6 - 1)
   if stored then
-    local list = {}
-    for k = 1, #ids do list[k] = ids[k] .. ',' end
-    redis.call('SET', KEYS[4], string.format('%d:%d:', done, first) .. table.concat(list), 'PX', ttl)
+    redis.call('SET', KEYS[4], string.format('%d:%d:', done, first) .. table.concat(ids, ',') .. ',', 'PX', ttl)
   else
     redis.call('PEXPIRE', KEYS[4], ttl)
   end
