@@ -4,16 +4,18 @@ ingest, the index and its file, bytes per stored token, and restarts after SIGKI
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import shutil
 import signal
 import struct
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Protocol
 
@@ -42,7 +44,7 @@ class Service(Protocol):
 
 @dataclass
 class Latencies:
-    """Draft round trips (ms) of a prober thread, each with the time it started."""
+    """Draft round trips (ms) of a prober, each with the time it started."""
 
     started: list[float] = field(default_factory=list)
     ms: list[float] = field(default_factory=list)
@@ -64,43 +66,64 @@ def figures(ms: list[float]) -> str:
 
 
 class Prober:
-    """A thread that replays held-out requests through unary Draft calls (3 recorded tokens accepted per call) and
-    times every call, until stopped; it stores nothing."""
+    """Replays held-out requests through unary Draft calls (3 recorded tokens accepted per call) and times every
+    call, until stopped; it stores nothing.
+
+    It runs in a process of its own, as an engine does: a thread beside the bench's load generator would time its
+    own wait for the interpreter lock that the load generator's message building holds, not the service.
+    """
 
     def __init__(self, address: str, held: list[Request], budget: int, pause_s: float = 0.002) -> None:
         self.address, self.held, self.budget, self.pause_s = address, held, budget, pause_s
         self.times = Latencies()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="prober", daemon=True)
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._ready = context.Event()
+        self._results, sender = context.Pipe(duplex=False)
+        self._process = context.Process(target=_probe, name="prober", daemon=True, args=(
+            address, held, budget, pause_s, self._stop, self._ready, sender))
 
-    def start(self) -> Prober:
-        self._thread.start()
+    def start(self, timeout: float = 60.0) -> Prober:
+        """Start probing; returns once the first call is under way."""
+        self._process.start()
+        if not self._ready.wait(timeout):
+            self._process.kill()
+            raise RuntimeError(f"the prober did not start within {timeout:.0f} s")
         return self
 
     def stop(self) -> Latencies:
+        """Stop probing; returns every call's start time and round trip."""
         self._stop.set()
-        self._thread.join(120)
+        if self._results.poll(120):
+            self.times = Latencies(*self._results.recv())
+        self._process.join(10)
         return self.times
 
-    def _run(self) -> None:
-        with grpc.insecure_channel(self.address) as channel:
-            stub = pb_grpc.DrafterStub(channel)
-            k = 0
-            while not self._stop.is_set():
-                req = self.held[k % len(self.held)]
-                sid = f"probe-{k}"
-                k += 1
-                stub.StartSession(pb.StartSessionRequest(session_id=sid, prompt=req.prompt.tolist(),
-                                                         max_nodes=self.budget))
-                out, pos = req.output.tolist(), 0
-                accepted: list[int] = []
-                while pos < len(out) and not self._stop.is_set():
-                    t0 = time.monotonic()
-                    stub.Draft(pb.DraftRequest(session_id=sid, accepted=accepted), timeout=600)
-                    self.times.started.append(t0)
-                    self.times.ms.append((time.monotonic() - t0) * 1e3)
-                    accepted, pos = out[pos:pos + 3], pos + 3
-                    time.sleep(self.pause_s)  # the session stays open: ending it would store the request
+
+def _probe(address: str, held: list[Request], budget: int, pause_s: float, stop: Event, ready: Event,
+           results: Connection) -> None:
+    """The prober process: Draft calls until ``stop``, then (start times, round trips in ms) into ``results``.
+    ``time.monotonic`` is the system's monotonic clock, so the times compare with the parent's."""
+    times = Latencies()
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.DrafterStub(channel)
+        k = 0
+        while not stop.is_set():
+            req = held[k % len(held)]
+            sid = f"probe-{k}"
+            k += 1
+            stub.StartSession(pb.StartSessionRequest(session_id=sid, prompt=req.prompt.tolist(), max_nodes=budget))
+            ready.set()
+            out, pos = req.output.tolist(), 0
+            accepted: list[int] = []
+            while pos < len(out) and not stop.is_set():
+                t0 = time.monotonic()
+                stub.Draft(pb.DraftRequest(session_id=sid, accepted=accepted), timeout=600)
+                times.started.append(t0)
+                times.ms.append((time.monotonic() - t0) * 1e3)
+                accepted, pos = out[pos:pos + 3], pos + 3
+                time.sleep(pause_s)  # the session stays open: ending it would store the request
+    results.send((times.started, times.ms))
 
 
 def store_marker(stub: pb_grpc.DrafterStub) -> None:
