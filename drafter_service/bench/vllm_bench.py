@@ -2,7 +2,9 @@
 
 Each method gets its own vLLM engine (in vLLM's venv, see ``make vllm``) and the same treatment per workload: the
 workload's earlier prompts are generated first (unmeasured: drafter stores them, suffix decoding caches them),
-then the held-back prompts are generated in one batch and measured from vLLM's own counters.
+then the held-back prompts are generated in one batch and measured from vLLM's own counters. With ``--replicas N``
+each method runs N engines at once that take alternate prompts (``vllm_replicas``): suffix's engines each keep their
+own cache, drafter's proposers all point at one service; the counters are summed over the engines.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from drafter_service.bench.e2e import DEFAULT_DRAFT, draft_folder_of
 from drafter_service.bench.e2e_prompts import E2E_DATASETS, MULTITURN_SETS, load_prompts
 from drafter_service.bench.machine import machine
 from drafter_service.bench.serve_bench import ServiceProcess
-from drafter_service.bench.vllm_process import Generation, VllmEngineProcess, vllm_python, wait_for
+from drafter_service.bench.vllm_process import Generation, vllm_python, wait_for
+from drafter_service.bench.vllm_replicas import EngineGroup, sum_figures
 from drafter_service.datasets.target_model import smollm2_checkpoint
 from engine_client import DrafterClient
 
@@ -53,6 +56,9 @@ def add_vllm_bench(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=192, help="tokens generated per prompt")
     p.add_argument("--k", type=int, default=4, help="speculative tokens per step (every method)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated among {', '.join(METHODS)}")
+    p.add_argument("--replicas", type=int, default=1, help="vLLM engines per method, run at once, prompt i to engine "
+                   "i mod N (warm-up and held-back alike); drafter's engines share one service, suffix's keep a "
+                   "cache each; counters summed over the engines")
     p.add_argument("--json", help="also write the results as JSON to this file")
     p.add_argument("--engine-log", help="append the engines' own output to this file (default: discarded)")
     p.add_argument("--draft-model", default="", help="draft model folder of the drafter-card methods (default: "
@@ -73,11 +79,12 @@ class MethodRun:
     draft_tokens: int
     accepted: int
     seconds: float
-    identical: bool  # outputs equal vLLM's without speculation
+    identical: bool | None  # outputs equal vLLM's without speculation (None: `none` not run)
     proposer_ms: float | None  # drafter's time inside propose per engine step
     outputs: list[list[int]] = field(default_factory=list, repr=False)
     prespec_hit_rate: float | None = None  # drafter: rows drafted from the pre-speculated tree / rows with a context
     sync_waits: float | None = None  # drafter: share of the engine steps that waited for the service
+    replicas: int = 1  # engines that shared the prompts (round robin)
 
     @property
     def tokens_per_step(self) -> float:
@@ -93,41 +100,48 @@ def _delta(after: Generation, before: Generation, name: str) -> int:
     return round(after.counters[name] - before.counters[name])
 
 
-def _proposer_figures(path: Path) -> dict:
-    try:
-        return dict(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        return {}
+def _proposer_figures(paths: list[Path]) -> dict[str, float]:
+    """The proposers' stats files (one per engine) summed; a file not written yet counts as empty."""
+    figures = []
+    for path in paths:
+        try:
+            figures.append(dict(json.loads(path.read_text())))
+        except (OSError, ValueError):
+            pass
+    return sum_figures(figures)
 
 
 def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[str, tuple[list, list]],
                reference: dict[str, list[list[int]]] | None, workdir: Path, log: TextIO | None) -> list[MethodRun]:
-    """Warm and measure one method on every workload, with one engine (and, for drafter, one fresh service)."""
+    """Warm and measure one method on every workload, with ``args.replicas`` engines (and, for drafter, one fresh
+    service they all use)."""
     service = None
     env: dict[str, str] = {}
-    stats_file = workdir / f"{method}.proposer.json"
+    replicas = int(getattr(args, "replicas", 1))
+    stats_files = [workdir / f"{method}.{i}.proposer.json" for i in range(replicas)]
     if method in DRAFTER_ENV:
         extra = ["--draft-model", str(draft_folder_of(args)), *CARD_METHODS[method], *shlex.split(args.card_args)] if (
             method in CARD_METHODS) else []
         service = ServiceProcess(workdir / f"service-{method}", 1 << 24, extra)
         service.start()
-        env = {"DRAFTER_ADDRESS": service.address, "DRAFTER_PROPOSER_STATS": str(stats_file), **DRAFTER_ENV[method]}
+        env = {"DRAFTER_ADDRESS": service.address, **DRAFTER_ENV[method]}
     runs: list[MethodRun] = []
     try:
         engine_method = "drafter" if method in DRAFTER_ENV else method
-        with VllmEngineProcess(model, engine_method, args.k, env=env, log=log) as engine:
-            _progress(f"{method}: engine ready in {engine.startup_seconds:.0f} s")
+        own_env = [{"DRAFTER_PROPOSER_STATS": str(f)} for f in stats_files] if service is not None else None
+        with EngineGroup(model, engine_method, args.k, replicas, env, own_env, log) as engine:
+            _progress(f"{method}: {replicas} engine(s) ready in {engine.startup_seconds:.0f} s")
             for dataset, (warm, held) in prompts.items():
                 t0 = time.perf_counter()
                 warmed = engine.generate(warm, args.max_tokens)
                 if service is not None:
                     stored = _stored(service.address)
                     wait_for(lambda s=service, n=stored: _stored(s.address) >= n, 60, "warm requests stored")
-                before = _proposer_figures(stats_file)
+                before = _proposer_figures(stats_files)
                 measured = engine.generate(held, args.max_tokens)
                 if service is not None:
                     time.sleep(0.5)  # the proposer rewrites its figures every 0.2 s
-                after = _proposer_figures(stats_file)
+                after = _proposer_figures(stats_files)
                 steps = after.get("steps", 0) - before.get("steps", 0)
                 proposer_ms = (1e3 * (after.get("seconds", 0.0) - before.get("seconds", 0.0)) / steps
                                if steps else None)
@@ -137,9 +151,9 @@ def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[
                                 _delta(measured, warmed, "vllm:spec_decode_num_drafts"),
                                 _delta(measured, warmed, "vllm:spec_decode_num_draft_tokens"),
                                 _delta(measured, warmed, "vllm:spec_decode_num_accepted_tokens"), measured.seconds,
-                                reference is None or measured.outputs == reference[dataset], proposer_ms,
+                                _same(method, measured.outputs, reference, dataset), proposer_ms,
                                 measured.outputs, hits / (hits + misses) if hits + misses else None,
-                                waits / steps if service is not None and steps else None)
+                                waits / steps if service is not None and steps else None, replicas)
                 runs.append(run)
                 _progress(f"{method} on {dataset}: {run.tokens_per_step:.2f} tokens/step, {run.tokens_per_s:.1f} "
                           f"tokens/s ({time.perf_counter() - t0:.0f} s with the warm-up)")
@@ -156,6 +170,15 @@ def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[
     return runs
 
 
+def _same(method: str, outputs: list[list[int]], reference: dict[str, list[list[int]]] | None,
+          dataset: str) -> bool | None:
+    """Whether ``outputs`` equal the ``none`` method's on ``dataset`` prompt by prompt (``none`` itself: yes; None
+    when ``none`` was not run, so there is nothing to compare with)."""
+    if method == "none":
+        return True
+    return None if reference is None else outputs == reference[dataset]
+
+
 def _progress(line: str) -> None:
     print(f"bench vllm: {line}", file=sys.stderr, flush=True)
 
@@ -167,23 +190,26 @@ def _stored(address: str) -> int:
 
 def format_runs(runs: list[MethodRun], args: argparse.Namespace) -> str:
     """A markdown table per workload, with each method's tokens per step against suffix and ngram."""
+    replicas = int(getattr(args, "replicas", 1))
+    dealt = f" dealt round robin to {replicas} engines at once" if replicas > 1 else ""
     lines = [f"k={args.k}, {args.requests} held-back prompts per workload in one batch after {args.warm} warm-up "
-             f"prompts, {args.max_tokens} tokens each; machine: {machine()}", ""]
+             f"prompts{dealt}, {args.max_tokens} tokens each; machine: {machine()}", ""]
     for dataset in dict.fromkeys(r.dataset for r in runs):
         rows = [r for r in runs if r.dataset == dataset]
         by = {r.method: r for r in rows}
         lines += [f"**{dataset}**", "",
-                  "| method | drafts | draft tokens | accepted | tokens/step | vs suffix | vs ngram | tokens/s | "
-                  "proposer ms/step | pre-spec hit rate | sync waits/step | same output |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| method | replicas | drafts | draft tokens | accepted | tokens/step | vs suffix | vs ngram | "
+                  "tokens/s | proposer ms/step | pre-spec hit rate | sync waits/step | same output |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             vs = [f"{r.tokens_per_step / by[m].tokens_per_step:.2f}x" if m in by else "-" for m in ("suffix", "ngram")]
             ms = f"{r.proposer_ms:.2f}" if r.proposer_ms is not None else "-"
             hit = f"{r.prespec_hit_rate:.1%}" if r.prespec_hit_rate is not None else "-"
             waits = f"{r.sync_waits:.2f}" if r.sync_waits is not None else "-"
-            lines.append(f"| {r.method} | {r.drafts} | {r.draft_tokens} | {r.accepted} | {r.tokens_per_step:.3f} | "
-                         f"{vs[0]} | {vs[1]} | {r.tokens_per_s:.1f} | {ms} | {hit} | {waits} | "
-                         f"{'yes' if r.identical else 'NO'} |")
+            same = "-" if r.identical is None else "yes" if r.identical else "NO"
+            lines.append(f"| {r.method} | {r.replicas} | {r.drafts} | {r.draft_tokens} | {r.accepted} | "
+                         f"{r.tokens_per_step:.3f} | {vs[0]} | {vs[1]} | {r.tokens_per_s:.1f} | {ms} | {hit} | "
+                         f"{waits} | {same} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -193,6 +219,8 @@ def run_vllm_bench(args: argparse.Namespace) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise SystemExit(f"unknown methods {unknown}: choose among {', '.join(METHODS)}")
+    if args.replicas < 1:
+        raise SystemExit(f"--replicas must be at least 1, got {args.replicas}")
     if not vllm_python().exists():
         raise SystemExit(f"{vllm_python()} not found: run `make vllm` (and `make vllm-peers` for suffix)")
     if "none" in methods:  # the reference runs first
