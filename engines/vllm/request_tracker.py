@@ -16,6 +16,7 @@ from typing import Any
 
 from drafter_service.api.verify_budget import VerifyBudget
 from engine_client.prespeculation import PreSpeculator, Tracked
+from engines.vllm.budget_learning import DeferredLearning
 
 __all__ = ["RequestTracker", "StepFigures", "RequestLimits"]
 
@@ -91,6 +92,7 @@ class RequestTracker:
                  budget: VerifyBudget | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.speculator, self.k, self.max_model_len = speculator, k, max_model_len
         self.limits, self.budget, self.clock = limits, budget, clock
+        self._learning = DeferredLearning(budget) if budget is not None else None
         self.requests: dict[str, _Request] = {}
         self.figures = StepFigures()
         self.last_rows: tuple[str, ...] = ()  # the request of each row, last step
@@ -177,15 +179,16 @@ class RequestTracker:
         """Record the rows' new tokens and cut their chains (by the budget, when there is one); returns the chains
         and their tokens."""
         handles = [q.req for q in reqs]
-        budget = self.budget
-        if budget is not None:
+        budget, learning = self.budget, self._learning
+        if learning is not None:
             self._learn(reqs, new)
         tokens, probs = self.speculator.step(handles, new, room)
         offered = sum(map(len, tokens))
         fig = self.figures
         fig.offered_tokens += offered
-        if budget is not None:
+        if budget is not None and learning is not None:
             if offered:
+                learning.catch_up()  # the earlier steps' lessons; this step's wait for ``release``
                 keep = budget.choose_batch(probs, self.k, base_tokens=rows)
                 tokens = [t[:n] for t, n in zip(tokens, keep, strict=True)]
                 self.speculator.proposed(handles, keep)
@@ -207,8 +210,8 @@ class RequestTracker:
                 estimates += q.probs
                 outcomes += [True] * accepted + [False] * (len(q.probs) - accepted)
                 q.probs = []
-        if estimates and self.budget is not None:
-            self.budget.calibration.observe(estimates, outcomes)
+        if estimates and self._learning is not None:
+            self._learning.outcomes(estimates, outcomes)
 
     def _time_step(self, began: float, ids: tuple[str, ...], all_sampled: bool, tokens: int) -> None:
         """Teach the budget's curve what the previous step cost (from the end of the previous ``step`` to the
@@ -221,8 +224,8 @@ class RequestTracker:
             self.figures.longest_step_ms = max(self.figures.longest_step_ms, (began - self._last_began) * 1e3)
         self._last_began = began
         self.last_rows = ids
-        if self.budget is not None and last is not None and same and all_sampled:
-            self.budget.curve.observe(last[1], began - last[0])
+        if self._learning is not None and last is not None and same and all_sampled:
+            self._learning.step_time(last[1], began - last[0])
 
     def end_finished(self, live: Container[str]) -> None:
         """End the sessions of requests no longer in ``live`` (a container of the runner's request ids)."""
@@ -232,15 +235,18 @@ class RequestTracker:
             self.figures.ended += 1
 
     def release(self) -> None:
-        """The engine's step is done here: what it queued may be sent now."""
+        """The engine's step is done here: what it queued may be sent now, and the budget may learn this step's
+        lessons (in the background)."""
         self.speculator.release()
+        if self._learning is not None:
+            self._learning.hand_over()
 
     def sync_figures(self) -> None:
         """Copy the speculator's figures, and the budget's curve and calibration, into ``figures``."""
         spec, fig = self.speculator.figures, self.figures
-        if self.budget is not None:
-            fig.cost_points = self.budget.curve.points()
-            fig.acceptance_gamma = self.budget.calibration.gamma
+        if self._learning is not None:
+            fig.cost_points, fig.acceptance_gamma = self._learning.read(
+                lambda b: (b.curve.points(), b.calibration.gamma))
         fig.prespec_hits, fig.prespec_misses, fig.sync_waits, fig.late_answers = (spec.hits, spec.misses,
                                                                                   spec.waits, spec.late)
         fig.looked_up, fig.answers = spec.looked_up, spec.answers

@@ -289,3 +289,37 @@ def test_ranked_tokens_are_each_chain_calibrated_best_first():
     chains = [np.cumprod(rng.uniform(0.3, 1.0, k)).tolist() for k in (0, 3, 8, 8, 5)] + [[1.0, 1.0, 0.5]]
     expected = sorted((-q, r, j) for r, c in enumerate(chains) for j, q in enumerate(cal.calibrate_chain(c[:6])))
     assert cal.ranked(chains, 6) == expected
+
+
+def test_a_large_batch_is_ranked_and_cut_with_numpy_as_the_loop_does(monkeypatch):
+    """``choose_batch`` takes numpy from ``VECTOR_FROM`` chain tokens on; both ways make the same choices, ties and
+    caps included."""
+    import drafter_service.api.verify_budget as vb
+    rng = random.Random(8)
+    for trial in range(60):
+        budget = VerifyBudget()
+        machine = (CPU_BF16, GPU_FLAT)[trial % 2]
+        for n in rng.sample(range(0, 300), rng.randrange(1, 12)):
+            budget.observe(n, machine(n) * rng.uniform(0.9, 1.1))
+        budget.calibration.observe([rng.random() for _ in range(80)], [rng.random() < 0.5 for _ in range(80)])
+        chains = [[rng.choice((0.0, 0.25, 0.5, 1.0, rng.random())) for _ in range(rng.randrange(0, 10))]
+                  for _ in range(rng.randrange(0, 40))]
+        limit, base = rng.randrange(1, 9), rng.choice((None, 1, 7, 40))
+        monkeypatch.setattr(vb, "VECTOR_FROM", 10 ** 9)
+        loop = budget.choose_batch(chains, limit, base)
+        monkeypatch.setattr(vb, "VECTOR_FROM", 0)
+        assert budget.choose_batch(chains, limit, base) == loop
+        values, chain = budget.calibration.ranked_arrays(chains, limit)
+        ranked = budget.calibration.ranked(chains, limit)
+        assert values.tolist() == [-q for q, _, _ in ranked] and chain.tolist() == [r for _, r, _ in ranked]
+
+
+def test_the_step_times_of_many_sizes_at_once_are_the_curve_at_each_size():
+    curve = StepCostCurve()
+    assert curve.seconds_array(3, 4).tolist() == [0.0] * 4
+    curve.observe(8, 0.02)
+    assert curve.seconds_array(0, 3).tolist() == [0.02] * 3
+    for n, t in ((0, 0.010), (4, 0.012), (16, 0.020), (64, 0.050)):
+        curve.observe(n, t)
+    for first, count in ((0, 80), (5, 3), (63, 4), (100, 2), (2, 0)):
+        assert curve.seconds_array(first, count).tolist() == curve.seconds_run(first, count)
