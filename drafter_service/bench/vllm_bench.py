@@ -133,10 +133,11 @@ def run_method(method: str, args: argparse.Namespace, model: str, prompts: dict[
             _progress(f"{method}: {replicas} engine(s) ready in {engine.startup_seconds:.0f} s")
             for dataset, (warm, held) in prompts.items():
                 t0 = time.perf_counter()
+                stored = _stored(service.address) if service is not None else 0
                 warmed = engine.generate(warm, args.max_tokens)
-                if service is not None:
-                    stored = _stored(service.address)
-                    wait_for(lambda s=service, n=stored: _stored(s.address) >= n, 60, "warm requests stored")
+                if service is not None:  # the engines end (store) their finished requests within a fraction of a second
+                    expected = stored + len(warm)
+                    wait_for(lambda s=service, n=expected: _stored(s.address) >= n, 60, "warm requests stored")
                 before = _proposer_figures(stats_files)
                 measured = engine.generate(held, args.max_tokens)
                 if service is not None:
