@@ -40,6 +40,9 @@ GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512
 CLIP_FACTOR = 2.0
 CLIP_AFTER = 3.0
 
+#: What a plain step re-measured by ``VerifyBudget`` leaves of the plain size's earlier steps' weight.
+REFRESH_KEEP = 0.25
+
 #: Bounds of the calibration's power law: beyond them one workload's extremes would rule every estimate.
 GAMMA_RANGE = (0.25, 4.0)
 
@@ -112,6 +115,15 @@ class StepCostCurve:
         self._w[i] = d * self._w[i] + 1.0
         self._sn[i] = d * self._sn[i] + float(nodes)
         self._st[i] = d * self._st[i] + float(seconds)
+        self._points = None
+
+    def forget(self, nodes: float, keep: float) -> None:
+        """Weigh what the bucket of ``nodes`` has seen so far by ``keep`` (in [0, 1]): the next step there counts
+        more."""
+        i = bisect.bisect_right(GRID, nodes) - 1
+        self._w[i] *= keep
+        self._sn[i] *= keep
+        self._st[i] *= keep
         self._points = None
 
     def points(self) -> list[tuple[float, float]]:
@@ -426,17 +438,25 @@ class VerifyBudget:
         growth: a step verifies at most ``growth`` times the largest size measured (plus 2), so the curve is
             explored from cheap sizes upwards instead of paying for an unmeasured huge step.
         min_nodes: verify at least this many nodes (0 lets drafting switch off).
+        refresh_every: after this many drafted steps in a row, ``choose`` takes one plain step (with ``min_nodes``
+            0), so the plain step's time is measured again: a first plain step measured cold (or under a load that
+            has gone) would otherwise make every drafted step look cheap for good, since the plain size is never
+            chosen again while drafting seems to pay.
     """
 
     def __init__(self, curve: StepCostCurve | None = None, calibration: AcceptanceCalibration | None = None,
-                 probe_every: int = 16, growth: float = 2.0, min_nodes: int = 0, max_probe_every: int = 64) -> None:
-        if probe_every < 1 or growth < 1.0 or min_nodes < 0 or max_probe_every < probe_every:
-            raise ValueError(f"need probe_every >= 1, growth >= 1, min_nodes >= 0, max_probe_every >= probe_every; "
-                             f"got {probe_every}, {growth}, {min_nodes}, {max_probe_every}")
+                 probe_every: int = 16, growth: float = 2.0, min_nodes: int = 0, max_probe_every: int = 64,
+                 refresh_every: int = 64) -> None:
+        if probe_every < 1 or growth < 1.0 or min_nodes < 0 or max_probe_every < probe_every or refresh_every < 1:
+            raise ValueError(f"need probe_every >= 1, growth >= 1, min_nodes >= 0, max_probe_every >= probe_every, "
+                             f"refresh_every >= 1; got {probe_every}, {growth}, {min_nodes}, {max_probe_every}, "
+                             f"{refresh_every}")
         self.curve = curve if curve is not None else StepCostCurve()
         self.calibration = calibration if calibration is not None else AcceptanceCalibration()
         self.probe_every, self.growth, self.min_nodes = probe_every, float(growth), min_nodes
-        self.max_probe_every = max_probe_every
+        self.max_probe_every, self.refresh_every = max_probe_every, refresh_every
+        self._drafted = 0  # steps in a row that verified nodes (``choose``)
+        self._refreshing = False  # the last choice was a plain step to re-measure the plain step
         self._idle = 0  # steps in a row that verified nothing though a draft was offered
         self._wait = probe_every  # idle steps before the next probe
         self._probing = False  # the last choice was a probe
@@ -479,6 +499,12 @@ class VerifyBudget:
                 return 1
         elif n:
             self._idle, self._wait, self._off = 0, self.probe_every, False
+            self._drafted += 1
+            if self._drafted > self.refresh_every and self.min_nodes == 0:  # re-measure the plain step
+                self._drafted, self._refreshing = 0, True
+                return 0
+        if n == 0:
+            self._drafted = 0
         return n
 
     def choose_batch(self, chains: Sequence[Sequence[float]], limit: int, base_tokens: int | None = None) -> list[int]:
@@ -541,6 +567,9 @@ class VerifyBudget:
                 accepted: Sequence[bool] = ()) -> None:
         """Record one verification step: ``nodes`` verified in ``seconds``; with ``probs`` and ``accepted`` (one
         per verified node: the drafter's estimate and whether it was accepted) the calibration learns too."""
+        if self._refreshing and nodes == 0:  # a re-measured plain step outweighs the old ones, however stale
+            self.curve.forget(0, REFRESH_KEEP)
+        self._refreshing = False
         self.curve.observe(nodes, seconds)
         if len(probs):
             self.calibration.observe(probs, accepted)

@@ -323,3 +323,38 @@ def test_the_step_times_of_many_sizes_at_once_are_the_curve_at_each_size():
         curve.observe(n, t)
     for first, count in ((0, 80), (5, 3), (63, 4), (100, 2), (2, 0)):
         assert curve.seconds_array(first, count).tolist() == curve.seconds_run(first, count)
+
+
+def simulate_cold_first_step(refresh_every: int, steps: int = 600) -> list[int]:
+    """Nodes verified per step by an engine whose plain step takes 0.1 s and each node 0.05 s more (a CPU), whose
+    drafts are estimated at 0.7 but accepted at 0.36, and whose first plain step ran cold (0.3 s)."""
+    rng = random.Random(11)
+    budget = VerifyBudget(refresh_every=refresh_every)
+    chosen = []
+    for step in range(steps):
+        n = budget.choose([0.7] * 8)
+        accepted = []
+        for _ in range(n):
+            accepted.append(bool(accepted[-1:] != [False] and rng.random() < 0.36))
+        budget.observe(n, (0.1 + 0.05 * n) * (3.0 if step == 0 else 1.0), [0.7] * n, accepted)
+        chosen.append(n)
+    return chosen
+
+
+def test_a_plain_step_measured_cold_is_measured_again_so_drafts_that_do_not_pay_stop():
+    # with one node at 1.5x a plain step, a node pays only when accepted more than half the time
+    never = simulate_cold_first_step(refresh_every=10 ** 9)
+    assert sum(n > 0 for n in never[300:]) > 250  # the cold plain step makes every draft look cheap, for good
+    refreshed = simulate_cold_first_step(refresh_every=64)
+    assert sum(n > 0 for n in refreshed[300:]) < 60  # only the probes and their like remain
+
+
+def test_where_drafts_pay_the_plain_step_is_re_measured_once_in_a_while_only():
+    budget = VerifyBudget(refresh_every=64)
+    chosen = []
+    for _ in range(650):
+        n = budget.choose([0.95] * 8)
+        budget.observe(n, GPU_FLAT(n), [0.95] * n, [True] * n)
+        chosen.append(n)
+    plain = [i for i, n in enumerate(chosen) if n == 0]
+    assert plain[0] == 0 and 8 <= len(plain) <= 12  # the first step, then one in every 65
