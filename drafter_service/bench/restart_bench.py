@@ -74,7 +74,6 @@ class Prober:
     """
 
     def __init__(self, address: str, held: list[Request], budget: int, pause_s: float = 0.002) -> None:
-        self.address, self.held, self.budget, self.pause_s = address, held, budget, pause_s
         self.times = Latencies()
         context = multiprocessing.get_context("spawn")
         self._stop = context.Event()

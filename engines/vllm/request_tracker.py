@@ -179,17 +179,17 @@ class RequestTracker:
         """Record the rows' new tokens and cut their chains (by the budget, when there is one); returns the chains
         and their tokens."""
         handles = [q.req for q in reqs]
-        budget, learning = self.budget, self._learning
+        learning = self._learning  # None without a budget
         if learning is not None:
             self._learn(reqs, new)
         tokens, probs = self.speculator.step(handles, new, room)
         offered = sum(map(len, tokens))
         fig = self.figures
         fig.offered_tokens += offered
-        if budget is not None and learning is not None:
+        if learning is not None:
             if offered:
                 learning.catch_up()  # the earlier steps' lessons; this step's wait for ``release``
-                keep = budget.choose_batch(probs, self.k, base_tokens=rows)
+                keep = learning.budget.choose_batch(probs, self.k, base_tokens=rows)
                 tokens = [t[:n] for t, n in zip(tokens, keep, strict=True)]
                 self.speculator.proposed(handles, keep)
                 offered = sum(map(len, tokens))
