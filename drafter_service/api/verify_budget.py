@@ -88,6 +88,7 @@ class StepCostCurve:
         self._st = [0.0] * len(GRID)
         self._points: list[tuple[float, float]] | None = []
         self._sizes: list[float] = []  # the points' sizes, for bisecting
+        self._run: tuple[int, list[float]] = (0, [])  # the last ``seconds_from`` (its first size, its times)
 
     @classmethod
     def from_points(cls, nodes: Sequence[float], seconds: Sequence[float]) -> StepCostCurve:
@@ -115,7 +116,7 @@ class StepCostCurve:
         self._w[i] = d * self._w[i] + 1.0
         self._sn[i] = d * self._sn[i] + float(nodes)
         self._st[i] = d * self._st[i] + float(seconds)
-        self._points = None
+        self._points, self._run = None, (0, [])
 
     def forget(self, nodes: float, keep: float) -> None:
         """Weigh what the bucket of ``nodes`` has seen so far by ``keep`` (in [0, 1]): the next step there counts
@@ -124,7 +125,7 @@ class StepCostCurve:
         self._w[i] *= keep
         self._sn[i] *= keep
         self._st[i] *= keep
-        self._points = None
+        self._points, self._run = None, (0, [])
 
     def points(self) -> list[tuple[float, float]]:
         """The measured ``(mean nodes, mean seconds)`` of every bucket seen, by size, times made non-decreasing.
@@ -197,6 +198,17 @@ class StepCostCurve:
                 nodes += 1
         out += [last_t] * (end - nodes)
         return out
+
+    def seconds_from(self, first: int, count: int) -> list[float]:
+        """``seconds_run(first, count)``, possibly longer: kept until the next step is recorded, so that a choice
+        reads times another thread computed in advance (``VerifyBudget.prepare``)."""
+        start, times = self._run
+        if start != first:
+            start, times = first, []
+            self._run = (first, times)
+        if len(times) < count:
+            times += self.seconds_run(first + len(times), count - len(times))
+        return times
 
     def seconds_array(self, first: int, count: int) -> np.ndarray:
         """``seconds_run(first, count)`` as a float64 array, computed for every size at once (the same values)."""
@@ -298,6 +310,7 @@ class AcceptanceCalibration:
         self._log_p = np.zeros(bins)  # decayed sum of ln(estimate) of the nodes seen in each bin
         self._gamma: float | None = 1.0
         self._last_gamma = 1.0  # the last fit, where the next one starts
+        self._lists: tuple[list[float], list[float]] | None = None  # (seen, accepted) as lists, for ``ranked``
 
     def _bins_of(self, p: np.ndarray) -> np.ndarray:
         """The bin of each estimate in ``p`` (already clipped to [0, 1]); 0 and below fall in the last bin."""
@@ -317,7 +330,14 @@ class AcceptanceCalibration:
         self._accepted = self._accepted * d + np.bincount(b, weights=np.asarray(accepted, dtype=np.float64),
                                                           minlength=n)
         self._log_p = self._log_p * d + np.bincount(b, weights=np.log(np.maximum(p, 1e-9)), minlength=n)
-        self._gamma = None
+        self._gamma, self._lists = None, None
+
+    def settle(self) -> None:
+        """Compute now what the next ``ranked`` would compute first (the exponent, the bins as lists): for a
+        thread that learns while another chooses."""
+        if self._lists is None:
+            self._lists = (self._seen.tolist(), self._accepted.tolist())
+        _ = self.gamma
 
     @property
     def gamma(self) -> float:
@@ -389,21 +409,29 @@ class AcceptanceCalibration:
         """Every chain's first ``limit`` tokens, calibrated as ``calibrate_chain`` does, as ``(-value, chain,
         position)`` sorted: best first, then by chain and position (so a chain's tokens come in order). In Python:
         for a few dozen tokens it is faster than ``ranked_arrays``."""
-        gamma, prior = self.gamma, self.prior
-        seen, took = self._seen.tolist(), self._accepted.tolist()
-        last, width, log = self.bins - 1, self.bin_width, math.log
         out: list[tuple[float, int, int]] = []
         for r, probs in enumerate(chains):
-            q_last = 2.0
-            for j, p in enumerate(probs[:limit]):  # ``self(p)``, inline
-                p = min(max(float(p), 0.0), 1.0)
-                b = last if p <= 0.0 else min(last, int(-log(p) / width))
-                q = (took[b] + prior * p ** gamma) / (seen[b] + prior)
-                if q > q_last:
-                    q = q_last
-                out.append((-q, r, j))
-                q_last = q
+            out += [(-q, r, j) for j, q in enumerate(self.ranked_chain(probs, limit))]
         out.sort()
+        return out
+
+    def ranked_chain(self, probs: Sequence[float], limit: int) -> list[float]:
+        """One chain's values as ``ranked`` gives them (its first ``limit`` tokens, in order)."""
+        gamma, prior = self.gamma, self.prior
+        if self._lists is None:
+            self._lists = (self._seen.tolist(), self._accepted.tolist())
+        seen, took = self._lists
+        last, width, log = self.bins - 1, self.bin_width, math.log
+        out: list[float] = []
+        q_last = 2.0
+        for p in probs[:max(limit, 0)]:
+            p = min(max(float(p), 0.0), 1.0)
+            b = last if p <= 0.0 else min(last, int(-log(p) / width))
+            q = (took[b] + prior * p ** gamma) / (seen[b] + prior)
+            if q > q_last:
+                q = q_last
+            out.append(q)
+            q_last = q
         return out
 
     def ranked_arrays(self, chains: Sequence[Sequence[float]], limit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -461,6 +489,7 @@ class VerifyBudget:
         self._wait = probe_every  # idle steps before the next probe
         self._probing = False  # the last choice was a probe
         self._off = False  # drafting does not pay: only probes ask for drafts
+        self._last_base = -1  # the query tokens of the last ``choose_batch`` without drafts (-1: none yet)
 
     def wants_draft(self) -> bool:
         """Whether the next step should ask for a draft at all: not while drafting is off between probes, so a
@@ -525,16 +554,19 @@ class VerifyBudget:
         if not self.curve.measured:
             return [min(len(c), limit, self.min_nodes) for c in chains]
         base = len(chains) if base_tokens is None else base_tokens
+        self._last_base = base
         cap = self.explore_limit() - base
+        if len(chains) == 1:
+            return [self._choose_one(chains[0], min(limit, cap), base)]
         if sum(min(len(c), limit) for c in chains) >= VECTOR_FROM:
             return self._choose_many(chains, limit, base, cap)
         taken = [0] * len(chains)
         candidates = self.calibration.ranked(chains, limit)
+        seconds = self.curve.seconds_from(base, 1 + max(0, min(cap, len(candidates))))  # [n]: base + n tokens
         expected, total = float(base), 0
-        best_rate = expected / self.curve.seconds(base)
+        best_rate = expected / seconds[0]
         best_total = 0
         order: list[int] = []
-        seconds = self.curve.seconds_run(base + 1, max(0, min(cap, len(candidates))))
         for neg_p, r, j in candidates:
             if total >= cap:
                 break
@@ -543,14 +575,35 @@ class VerifyBudget:
             taken[r] += 1
             order.append(r)
             expected -= neg_p
-            rate = expected / seconds[total]
             total += 1
+            rate = expected / seconds[total]
             if rate > best_rate:
                 best_rate, best_total = rate, total
         out = [0] * len(chains)
         for r in order[:best_total]:
             out[r] += 1
         return out
+
+    def _choose_one(self, probs: Sequence[float], limit: int, base: int) -> int:
+        """``choose_batch`` of one chain (the same choice): its calibrated tokens come in order already."""
+        values = self.calibration.ranked_chain(probs, limit)
+        seconds = self.curve.seconds_from(base, 1 + len(values))  # [n]: base + n tokens
+        expected = float(base)
+        best_rate, best = expected / seconds[0], 0
+        for n, q in enumerate(values, 1):
+            expected += q
+            rate = expected / seconds[n]
+            if rate > best_rate:
+                best_rate, best = rate, n
+        return best
+
+    def prepare(self) -> None:
+        """Compute now what the next ``choose_batch`` of as many rows as the last one reads first (for a thread
+        that learns while another chooses): the calibration's exponent and the step times it compares."""
+        self.calibration.settle()
+        if self._last_base >= 0 and self.curve.measured:
+            self.curve.seconds_from(self._last_base, 1 + max(0, min(VECTOR_FROM, self.explore_limit()
+                                                                     - self._last_base)))
 
     def _choose_many(self, chains: Sequence[Sequence[float]], limit: int, base: int, cap: int) -> list[int]:
         """``choose_batch`` for many tokens, with numpy (the same choices). Ranked best first with ties by chain

@@ -85,4 +85,4 @@ class DeferredLearning:
             with self._lock:
                 self._apply()
                 # what the next choice reads, computed now rather than on the engine's thread
-                _ = self.budget.calibration.gamma, self.budget.curve.points()
+                self.budget.prepare()

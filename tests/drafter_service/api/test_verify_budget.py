@@ -314,6 +314,35 @@ def test_a_large_batch_is_ranked_and_cut_with_numpy_as_the_loop_does(monkeypatch
         assert values.tolist() == [-q for q, _, _ in ranked] and chain.tolist() == [r for _, r, _ in ranked]
 
 
+def test_one_chain_is_cut_as_the_batch_loop_cuts_it():
+    """A batch of one row (the engine's B = 1) takes a shorter way; its choices are the general loop's (the same
+    chain beside an empty one), with the times prepared ahead or not."""
+    rng = random.Random(9)
+    for trial in range(80):
+        budget = VerifyBudget()
+        machine = (CPU_BF16, GPU_FLAT)[trial % 2]
+        for n in rng.sample(range(0, 40), rng.randrange(1, 8)):
+            budget.observe(n, machine(n) * rng.uniform(0.9, 1.1))
+        budget.calibration.observe([rng.random() for _ in range(60)], [rng.random() < 0.5 for _ in range(60)])
+        chain = [rng.choice((0.0, 0.25, 0.5, 1.0, rng.random())) for _ in range(rng.randrange(0, 10))]
+        limit, base = rng.randrange(1, 9), rng.choice((None, 1, 3, 30))
+        two_rows = budget.choose_batch([chain, []], limit, base if base is not None else 1)
+        if trial % 3 == 0:
+            budget.prepare()
+        assert budget.choose_batch([chain], limit, base) == two_rows[:1]
+
+
+def test_times_prepared_ahead_are_the_curve_and_are_dropped_by_the_next_step():
+    curve = StepCostCurve()
+    for n, t in ((0, 0.010), (4, 0.012), (16, 0.020)):
+        curve.observe(n, t)
+    assert curve.seconds_from(3, 5) == curve.seconds_run(3, 5)
+    assert curve.seconds_from(3, 9)[:9] == curve.seconds_run(3, 9)
+    assert curve.seconds_from(1, 2) == curve.seconds_run(1, 2)
+    curve.observe(2, 0.5)
+    assert curve.seconds_from(1, 4)[:4] == curve.seconds_run(1, 4)
+
+
 def test_the_step_times_of_many_sizes_at_once_are_the_curve_at_each_size():
     curve = StepCostCurve()
     assert curve.seconds_array(3, 4).tolist() == [0.0] * 4
