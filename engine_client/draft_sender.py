@@ -25,7 +25,7 @@ from engine_client.packed_trees import PackedTrees
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DraftSender", "Landed", "Opened", "Stepped", "Ended", "Tracked"]
+__all__ = ["DraftSender", "Landed", "Opened", "Stepped", "Ended", "Chore", "Tracked"]
 
 
 class Tracked:
@@ -74,6 +74,14 @@ class Ended:
     req: Tracked
 
 
+@dataclass(frozen=True, slots=True)
+class Chore:
+    """Work the engine hands this thread with a step (an engine's own learning), done after the step's call: the
+    engine wakes one thread per step, not two."""
+
+    work: Callable[[], None]
+
+
 @dataclass(frozen=True)
 class Landed:
     """Trees that came back: ``reqs[i]`` has tree ``i`` of ``trees``, drafted for its context of ``totals[i]``
@@ -88,7 +96,7 @@ class Landed:
     answered: bool = True
 
 
-Item = Opened | Stepped | Ended
+Item = Opened | Stepped | Ended | Chore
 
 
 class DraftSender:
@@ -205,6 +213,7 @@ class DraftSender:
         totals: dict[int, int] = {}
         fresh: set[int] = set()  # requests drafted for though they appended nothing (their prompt's tree)
         index: list[tuple[Tracked, list[int]]] = []  # what prompt lookup indexes once the reply landed
+        chores: list[Chore] = []
         for item in items:
             if isinstance(item, Stepped):
                 ticket = item.ticket
@@ -219,6 +228,8 @@ class DraftSender:
                     ticket = item.ticket
                     totals[id(item.req)] = len(item.prompt)
                     fresh.add(id(item.req))
+            elif isinstance(item, Chore):
+                chores.append(item)
             else:
                 ended.append(item.req)
                 self._live.pop(id(item.req), None)
@@ -228,6 +239,12 @@ class DraftSender:
             self._wait_turn()
             for req, toks in index:
                 req.ngrams.extend(toks)
+            for chore in chores:
+                self._wait_turn()
+                try:
+                    chore.work()
+                except Exception:
+                    logger.exception("drafter: a chore handed with a step failed")
 
     def _open(self, item: Opened) -> None:
         try:

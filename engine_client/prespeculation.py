@@ -28,7 +28,7 @@ from drafter_service.api.backoff import BackoffClock, ExponentialBackoff
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
 from drafter_service.api.tree import chain as chain_tree
 from engine_client.client import DrafterClient
-from engine_client.draft_sender import DraftSender, Ended, Item, Landed, Opened, Stepped, Tracked
+from engine_client.draft_sender import Chore, DraftSender, Ended, Item, Landed, Opened, Stepped, Tracked
 from engine_client.packed_trees import PackedTrees
 
 logger = logging.getLogger(__name__)
@@ -224,9 +224,12 @@ class PreSpeculator:
         self._last_step = self.clock()
         return trees
 
-    def release(self) -> None:
-        """The engine's thread is done with this step: the sender may send what is queued."""
+    def release(self, chore: Callable[[], None] | None = None) -> None:
+        """The engine's thread is done with this step: the sender may send what is queued, and then do ``chore``
+        (the engine's own work for its background, so that one thread wakes per step)."""
         queued, self._queued = self._queued, []
+        if chore is not None:
+            queued.append(Chore(chore))
         self._sender.send(queued)
 
     def drain(self, timeout: float = 5.0) -> bool:

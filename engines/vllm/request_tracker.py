@@ -236,10 +236,8 @@ class RequestTracker:
 
     def release(self) -> None:
         """The engine's step is done here: what it queued may be sent now, and the budget may learn this step's
-        lessons (in the background)."""
-        self.speculator.release()
-        if self._learning is not None:
-            self._learning.hand_over()
+        lessons (in the sender's thread, after its call)."""
+        self.speculator.release(self._learning.hand_over() if self._learning is not None else None)
 
     def sync_figures(self) -> None:
         """Copy the speculator's figures, and the budget's curve and calibration, into ``figures``."""

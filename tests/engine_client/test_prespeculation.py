@@ -332,3 +332,23 @@ def test_an_answer_that_comes_back_while_the_engine_steps_lands_once_the_step_en
     assert req.landed[0] == 4
     client.answer.set()  # the second step's call
     spec.close_all()
+
+
+def test_work_released_with_a_step_runs_on_the_sender_after_that_steps_call(service):
+    """A tracker hands its learning to the sender with the step (one thread woken per step): it runs on the
+    sender's thread once the step's trees landed, never during the engine's step."""
+    _, address = service
+    spec = speculator(address)
+    req = spec.open(DOC[:10])
+    spec.step([req], [[DOC[10]]], [K])
+    ran: list[tuple[str, bool]] = []
+    done = threading.Event()
+
+    def chore() -> None:
+        ran.append((threading.current_thread().name, req.landed[1] is not None))
+        done.set()
+
+    spec.release(chore)
+    assert done.wait(5.0)
+    assert ran == [("drafter-sender", True)]
+    spec.close_all()
