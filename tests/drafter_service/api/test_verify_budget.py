@@ -291,17 +291,24 @@ def test_ranked_tokens_are_each_chain_calibrated_best_first():
     assert cal.ranked(chains, 6) == expected
 
 
+def random_budget(rng: random.Random, trial: int, sizes: int, steps: int, outcomes: int) -> VerifyBudget:
+    """A budget that saw a few steps of sizes below ``sizes`` on a CPU-like or GPU-like curve (by ``trial``) and
+    ``outcomes`` random outcomes."""
+    budget = VerifyBudget()
+    machine = (CPU_BF16, GPU_FLAT)[trial % 2]
+    for n in rng.sample(range(0, sizes), rng.randrange(1, steps)):
+        budget.observe(n, machine(n) * rng.uniform(0.9, 1.1))
+    budget.calibration.observe([rng.random() for _ in range(outcomes)], [rng.random() < 0.5 for _ in range(outcomes)])
+    return budget
+
+
 def test_a_large_batch_is_ranked_and_cut_with_numpy_as_the_loop_does(monkeypatch):
     """``choose_batch`` takes numpy from ``VECTOR_FROM`` chain tokens on; both ways make the same choices, ties and
     caps included."""
     import drafter_service.api.verify_budget as vb
     rng = random.Random(8)
     for trial in range(60):
-        budget = VerifyBudget()
-        machine = (CPU_BF16, GPU_FLAT)[trial % 2]
-        for n in rng.sample(range(0, 300), rng.randrange(1, 12)):
-            budget.observe(n, machine(n) * rng.uniform(0.9, 1.1))
-        budget.calibration.observe([rng.random() for _ in range(80)], [rng.random() < 0.5 for _ in range(80)])
+        budget = random_budget(rng, trial, 300, 12, 80)
         chains = [[rng.choice((0.0, 0.25, 0.5, 1.0, rng.random())) for _ in range(rng.randrange(0, 10))]
                   for _ in range(rng.randrange(0, 40))]
         limit, base = rng.randrange(1, 9), rng.choice((None, 1, 7, 40))
@@ -319,11 +326,7 @@ def test_one_chain_is_cut_as_the_batch_loop_cuts_it():
     chain beside an empty one), with the times prepared ahead or not."""
     rng = random.Random(9)
     for trial in range(80):
-        budget = VerifyBudget()
-        machine = (CPU_BF16, GPU_FLAT)[trial % 2]
-        for n in rng.sample(range(0, 40), rng.randrange(1, 8)):
-            budget.observe(n, machine(n) * rng.uniform(0.9, 1.1))
-        budget.calibration.observe([rng.random() for _ in range(60)], [rng.random() < 0.5 for _ in range(60)])
+        budget = random_budget(rng, trial, 40, 8, 60)
         chain = [rng.choice((0.0, 0.25, 0.5, 1.0, rng.random())) for _ in range(rng.randrange(0, 10))]
         limit, base = rng.randrange(1, 9), rng.choice((None, 1, 3, 30))
         two_rows = budget.choose_batch([chain, []], limit, base if base is not None else 1)
