@@ -116,7 +116,7 @@ class StepCostCurve:
         self._w[i] = d * self._w[i] + 1.0
         self._sn[i] = d * self._sn[i] + float(nodes)
         self._st[i] = d * self._st[i] + float(seconds)
-        self._points, self._run = None, (0, [])
+        self._changed()
 
     def forget(self, nodes: float, keep: float) -> None:
         """Weigh what the bucket of ``nodes`` has seen so far by ``keep`` (in [0, 1]): the next step there counts
@@ -125,6 +125,10 @@ class StepCostCurve:
         self._w[i] *= keep
         self._sn[i] *= keep
         self._st[i] *= keep
+        self._changed()
+
+    def _changed(self) -> None:
+        """Drop what was computed from the buckets (the points, the last ``seconds_from``)."""
         self._points, self._run = None, (0, [])
 
     def points(self) -> list[tuple[float, float]]:
@@ -335,9 +339,14 @@ class AcceptanceCalibration:
     def settle(self) -> None:
         """Compute now what the next ``ranked`` would compute first (the exponent, the bins as lists): for a
         thread that learns while another chooses."""
+        self._bin_lists()
+        _ = self.gamma
+
+    def _bin_lists(self) -> tuple[list[float], list[float]]:
+        """The bins' (seen, accepted) counts as lists, kept until the next ``observe``."""
         if self._lists is None:
             self._lists = (self._seen.tolist(), self._accepted.tolist())
-        _ = self.gamma
+        return self._lists
 
     @property
     def gamma(self) -> float:
@@ -418,9 +427,7 @@ class AcceptanceCalibration:
     def ranked_chain(self, probs: Sequence[float], limit: int) -> list[float]:
         """One chain's values as ``ranked`` gives them (its first ``limit`` tokens, in order)."""
         gamma, prior = self.gamma, self.prior
-        if self._lists is None:
-            self._lists = (self._seen.tolist(), self._accepted.tolist())
-        seen, took = self._lists
+        seen, took = self._bin_lists()
         last, width, log = self.bins - 1, self.bin_width, math.log
         out: list[float] = []
         q_last = 2.0

@@ -91,7 +91,7 @@ class RequestTracker:
     def __init__(self, speculator: PreSpeculator, k: int, max_model_len: int, limits: RequestLimits = no_limits,
                  budget: VerifyBudget | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.speculator, self.k, self.max_model_len = speculator, k, max_model_len
-        self.limits, self.budget, self.clock = limits, budget, clock
+        self.limits, self.clock = limits, clock
         self._learning = DeferredLearning(budget) if budget is not None else None
         self.requests: dict[str, _Request] = {}
         self.figures = StepFigures()
