@@ -80,6 +80,10 @@ class PackedTrees:
         """Index DraftTrees."""
         return cls.of_batch(PackedBatch.of_trees(trees), width, min_prob)
 
+    def codes_below(self, root: int) -> range:
+        """The codes of the nodes of the tree whose root is code ``root`` (the root's own code not included)."""
+        return range(self.trees + int(self.offsets[root]), self.trees + int(self.offsets[root + 1]))
+
     def descend(self, code: int, path: Sequence[int]) -> int:
         """The code reached by following ``path`` down from ``code``; -1 where the path leaves the tree."""
         edges = self.edges

@@ -244,6 +244,18 @@ class PreSpeculator:
         for req, n in zip(reqs, lengths, strict=True):
             req.proposed = n
 
+    def upcoming_estimates(self, req: Tracked, max_len: int) -> list[list[float]]:
+        """The estimates of each chain the next ``step`` may give ``req``, for choosing ahead: one below every node
+        of its latest tree that its outcome may reach, and every prompt-lookup chain's (none that are empty). For
+        the sender's thread (which sets ``landed``), e.g. in a ``Chore``."""
+        if max_len <= 0:
+            return []
+        chains = [lookup_estimates(match, n) for match in LOOKUP_FIRST for n in range(1, max_len + 1)]
+        _, tree, root = req.landed
+        if tree is not None:
+            chains += [tree.chain(code, max_len)[1] for code in (root, *tree.codes_below(root))]
+        return [c for c in chains if c]
+
     @property
     def sender_cpu_seconds(self) -> float:
         """CPU time the sender's thread spent so far (sending steps, indexing the trees that came back)."""

@@ -89,6 +89,7 @@ class StepCostCurve:
         self._points: list[tuple[float, float]] | None = []
         self._sizes: list[float] = []  # the points' sizes, for bisecting
         self._run: tuple[int, list[float]] = (0, [])  # the last ``seconds_from`` (its first size, its times)
+        self.changes = 0  # steps recorded or forgotten so far: what was computed from the curve holds while it stays
 
     @classmethod
     def from_points(cls, nodes: Sequence[float], seconds: Sequence[float]) -> StepCostCurve:
@@ -130,6 +131,7 @@ class StepCostCurve:
     def _changed(self) -> None:
         """Drop what was computed from the buckets (the points, the last ``seconds_from``)."""
         self._points, self._run = None, (0, [])
+        self.changes += 1
 
     def points(self) -> list[tuple[float, float]]:
         """The measured ``(mean nodes, mean seconds)`` of every bucket seen, by size, times made non-decreasing.
@@ -315,6 +317,7 @@ class AcceptanceCalibration:
         self._gamma: float | None = 1.0
         self._last_gamma = 1.0  # the last fit, where the next one starts
         self._lists: tuple[list[float], list[float]] | None = None  # (seen, accepted) as lists, for ``ranked``
+        self.changes = 0  # ``observe`` calls that recorded nodes: what was computed from the bins holds while it stays
 
     def _bins_of(self, p: np.ndarray) -> np.ndarray:
         """The bin of each estimate in ``p`` (already clipped to [0, 1]); 0 and below fall in the last bin."""
@@ -335,6 +338,7 @@ class AcceptanceCalibration:
                                                           minlength=n)
         self._log_p = self._log_p * d + np.bincount(b, weights=np.log(np.maximum(p, 1e-9)), minlength=n)
         self._gamma, self._lists = None, None
+        self.changes += 1
 
     def settle(self) -> None:
         """Compute now what the next ``ranked`` would compute first (the exponent, the bins as lists): for a
@@ -497,6 +501,9 @@ class VerifyBudget:
         self._probing = False  # the last choice was a probe
         self._off = False  # drafting does not pay: only probes ask for drafts
         self._last_base = -1  # the query tokens of the last ``choose_batch`` without drafts (-1: none yet)
+        # choices of one chain made ahead (``prepare``): (the curve's and calibration's ``changes`` they were made
+        # at, {(estimates, limit, base tokens): tokens to verify})
+        self._ahead: tuple[tuple[int, int], dict[tuple[tuple[float, ...], int, int], int]] = ((-1, -1), {})
 
     def wants_draft(self) -> bool:
         """Whether the next step should ask for a draft at all: not while drafting is off between probes, so a
@@ -564,6 +571,11 @@ class VerifyBudget:
         self._last_base = base
         cap = self.explore_limit() - base
         if len(chains) == 1:
+            stamp, ahead = self._ahead
+            if stamp[0] == self.curve.changes and stamp[1] == self.calibration.changes:
+                n = ahead.get((tuple(chains[0]), limit, base))
+                if n is not None:
+                    return [n]
             return [self._choose_one(chains[0], min(limit, cap), base)]
         if sum(min(len(c), limit) for c in chains) >= VECTOR_FROM:
             return self._choose_many(chains, limit, base, cap)
@@ -604,13 +616,22 @@ class VerifyBudget:
                 best_rate, best = rate, n
         return best
 
-    def prepare(self) -> None:
+    def prepare(self, chains: Sequence[Sequence[float]] = (), limit: int = 0, base_tokens: int = 1) -> None:
         """Compute now what the next ``choose_batch`` of as many rows as the last one reads first (for a thread
-        that learns while another chooses): the calibration's exponent and the step times it compares."""
+        that learns while another chooses): the calibration's exponent and the step times it compares.
+
+        With ``chains``, also choose now for each of them as ``choose_batch([chain], limit, base_tokens)`` would:
+        such a call is then a lookup, until the budget learns again (a batch of one request, whose next chain is
+        one of a few the drafts already hold).
+        """
         self.calibration.settle()
         if self._last_base >= 0 and self.curve.measured:
             self.curve.seconds_from(self._last_base, 1 + max(0, min(VECTOR_FROM, self.explore_limit()
                                                                      - self._last_base)))
+        if chains and self.curve.measured:
+            cap = min(limit, self.explore_limit() - base_tokens)
+            ahead = {(tuple(c), limit, base_tokens): self._choose_one(c, cap, base_tokens) for c in chains}
+            self._ahead = ((self.curve.changes, self.calibration.changes), ahead)
 
     def _choose_many(self, chains: Sequence[Sequence[float]], limit: int, base: int, cap: int) -> list[int]:
         """``choose_batch`` for many tokens, with numpy (the same choices). Ranked best first with ties by chain

@@ -66,8 +66,8 @@ class SimpleInputBatch:
 
     @property
     def req_ids(self) -> list[str]:
-        """The request of each row (packed after ``condense``)."""
-        return [r for r in self._req_ids if r is not None]
+        """The request of each row, packed after ``condense`` (vLLM's property returns its list as it is, too)."""
+        return self._req_ids  # type: ignore[return-value]
 
     @property
     def num_reqs(self) -> int:

@@ -24,6 +24,9 @@ T = TypeVar("T")
 #: A lesson: a method of the budget's calibration or curve, and its arguments.
 Lesson = tuple[Callable[..., None], tuple[Any, ...]]
 
+#: The cuts the next step may ask for: () -> (chains' estimates, most tokens per chain, base tokens), or None.
+Upcoming = Callable[[], tuple[list[list[float]], int, int] | None]
+
 
 class DeferredLearning:
     """A ``VerifyBudget`` whose lessons are applied between steps, by whichever thread runs the work ``hand_over``
@@ -47,15 +50,20 @@ class DeferredLearning:
         """Teach the cost curve: a step of ``tokens`` query tokens took ``seconds``."""
         self._gathered.append((self.budget.curve.observe, (tokens, seconds)))
 
-    def hand_over(self) -> Callable[[], None] | None:
+    def hand_over(self, upcoming: Upcoming | None = None) -> Callable[[], None] | None:
         """The step is done: returns the work that applies its lessons, for a background thread (None: nothing was
-        learnt). Work not done by the next ``catch_up`` is done there."""
-        if not self._gathered:
+        learnt and nothing is upcoming). Work not done by the next ``catch_up`` is done there.
+
+        Args:
+            upcoming: called by that work once the lessons are in: ``(chains, limit, base tokens)`` of the cuts the
+                next step may ask for (``VerifyBudget.prepare``), or None.
+        """
+        if not self._gathered and upcoming is None:
             return None
         gathered, self._gathered = self._gathered, []
         with self._lock:
             self._handed += gathered
-        return self._learn
+        return self._learn if upcoming is None else lambda: self._learn(upcoming)
 
     def catch_up(self) -> None:
         """Apply what was handed over and not applied yet (before choosing, on the engine's thread). Taking the lock
@@ -73,7 +81,12 @@ class DeferredLearning:
         for learn, args in handed:
             learn(*args)
 
-    def _learn(self) -> None:
+    def _learn(self, upcoming: Upcoming | None = None) -> None:
         with self._lock:
             self._apply()
-            self.budget.prepare()  # what the next choice reads, computed now rather than on the engine's thread
+            # what the next choice reads, computed now rather than on the engine's thread
+            ahead = upcoming() if upcoming is not None else None
+            if ahead is None:
+                self.budget.prepare()
+            else:
+                self.budget.prepare(*ahead)

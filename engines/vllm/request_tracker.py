@@ -98,6 +98,7 @@ class RequestTracker:
         self.last_rows: tuple[str, ...] = ()  # the request of each row, last step
         self._last_step: tuple[float, int] | None = None  # (time, query tokens) of the previous step
         self._last_began = 0.0
+        self._alone: tuple[Tracked, int] | None = None  # (request, rows) of the last step that drafted one request
 
     def step(self, req_ids: Sequence[str], prompt_lens: Sequence[int], sampled: Sequence[Sequence[int]],
              num_tokens: Any, token_ids: Any, ids: tuple[str, ...] | None = None) -> list[list[int]]:
@@ -190,6 +191,7 @@ class RequestTracker:
             if offered:
                 learning.catch_up()  # the earlier steps' lessons; this step's wait for ``release``
                 keep = learning.budget.choose_batch(probs, self.k, base_tokens=rows)
+                self._alone = (handles[0], rows) if len(handles) == 1 else None
                 tokens = [t[:n] for t, n in zip(tokens, keep, strict=True)]
                 self.speculator.proposed(handles, keep)
                 offered = sum(map(len, tokens))
@@ -237,7 +239,20 @@ class RequestTracker:
     def release(self) -> None:
         """The engine's step is done here: what it queued may be sent now, and the budget may learn this step's
         lessons (in the sender's thread, after its call)."""
-        self.speculator.release(self._learning.hand_over() if self._learning is not None else None)
+        learning = self._learning
+        if learning is None:
+            self.speculator.release()
+            return
+        self.speculator.release(learning.hand_over(self._upcoming if self._alone is not None else None))
+
+    def _upcoming(self) -> tuple[list[list[float]], int, int] | None:
+        """The chains the next step may cut for the one request the last step drafted, to be chosen ahead
+        (``VerifyBudget.prepare``): in the sender's thread, once that request's next tree landed."""
+        alone = self._alone
+        if alone is None:
+            return None
+        chains = self.speculator.upcoming_estimates(alone[0], self.k)
+        return (chains, self.k, alone[1]) if chains else None
 
     def sync_figures(self) -> None:
         """Copy the speculator's figures, and the budget's curve and calibration, into ``figures``."""

@@ -21,7 +21,7 @@ from drafter_service.rpc.server import create_server
 from drafter_service.service.config import ServiceConfig
 from engine_client import DrafterClient
 from engine_client.packed_trees import PackedTrees
-from engine_client.prespeculation import PreSpeculator
+from engine_client.prespeculation import LOOKUP_FIRST, PreSpeculator, lookup_estimates
 from engine_client.step_batch import PackedBatch
 
 VOCAB = 300
@@ -95,6 +95,23 @@ def test_the_outcome_is_followed_through_accepted_tokens_and_the_bonus(service):
     chains, _ = spec.step([req], [DOC[12:15]], [K])
     assert chains == [DOC[15:15 + K]]
     assert spec.figures.hits == 2
+
+
+def test_the_estimates_ahead_hold_the_chain_the_next_step_cuts_and_every_lookups(service):
+    _, address = service
+    spec = speculator(address)
+    req = spec.open(DOC[:10])
+    assert spec.upcoming_estimates(req, K) == [lookup_estimates(m, n) for m in LOOKUP_FIRST for n in range(1, K + 1)]
+    spec.step([req], [[DOC[10]]], [K])
+    spec.release()
+    landed(req)
+    ahead = spec.upcoming_estimates(req, K)
+    for accepted in range(3):  # whichever outcome comes next, its chain's estimates are among them
+        code = req.landed[1].descend(req.landed[2], DOC[11:12 + accepted])
+        assert req.landed[1].chain(code, K)[1] in ahead
+    _, probs = spec.step([req], [[DOC[11]]], [K])
+    assert probs[0] in ahead
+    assert spec.upcoming_estimates(req, 0) == []
 
 
 def test_a_miss_waits_for_its_own_answer_when_the_engine_step_is_long(service):

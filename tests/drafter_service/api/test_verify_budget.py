@@ -335,6 +335,34 @@ def test_one_chain_is_cut_as_the_batch_loop_cuts_it():
         assert budget.choose_batch([chain], limit, base) == two_rows[:1]
 
 
+def test_chains_chosen_ahead_are_chosen_as_then_and_not_after_the_budget_learns(monkeypatch):
+    """``prepare(chains, ...)`` chooses for those chains ahead; a one-row ``choose_batch`` of one of them is then a
+    lookup with the same answer, and once the curve or the calibration learns, it is chosen afresh."""
+    rng = random.Random(12)
+    for trial in range(40):
+        budget = random_budget(rng, trial, 40, 8, 60)
+        chains = [[rng.choice((0.0, 0.25, 0.5, 1.0, rng.random())) for _ in range(rng.randrange(1, 9))]
+                  for _ in range(6)]
+        limit, base = rng.randrange(1, 9), rng.choice((1, 3))
+        budget.prepare(chains, limit, base)
+        fresh = VerifyBudget(budget.curve, budget.calibration)
+        for chain in chains:
+            assert budget.choose_batch([list(chain)], limit, base) == fresh.choose_batch([chain], limit, base)
+        chose: list[tuple] = []  # the calls that chose rather than looked up
+        monkeypatch.setattr(budget, "_choose_one", lambda *args, calls=chose: calls.append(args) or 0)
+        budget.choose_batch([chains[0]], limit, base)
+        assert chose == []  # answered from the choices made ahead
+        budget.choose_batch([chains[0]], limit + 1, base)  # another limit: not made ahead
+        assert len(chose) == 1
+        if trial % 2:
+            budget.observe(rng.randrange(0, 40), 0.01)
+        else:
+            budget.calibration.observe([0.5], [True])
+        budget.choose_batch([chains[0]], limit, base)
+        assert len(chose) == 2
+        monkeypatch.undo()
+
+
 def test_times_prepared_ahead_are_the_curve_and_are_dropped_by_the_next_step():
     curve = StepCostCurve()
     for n, t in ((0, 0.010), (4, 0.012), (16, 0.020)):

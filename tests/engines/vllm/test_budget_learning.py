@@ -47,3 +47,21 @@ def test_the_work_handed_over_applies_the_lessons_and_nothing_is_handed_without_
     assert learning.read(lambda b: b.calibration._seen.sum()) == 3.0
     work()  # done twice (or by a catch_up first), nothing is applied twice
     assert learning.read(lambda b: b.calibration._seen.sum()) == 3.0
+
+
+def test_upcoming_chains_handed_over_with_a_step_are_chosen_ahead_once_its_lessons_are_in():
+    learning = DeferredLearning(VerifyBudget())
+    chains = [[0.9, 0.8, 0.3], [0.5], [0.7, 0.7]]
+    teach(learning, 0)
+    learning.hand_over()()
+    work = learning.hand_over(lambda: (chains, 4, 1))  # no lesson this step, but chains to choose ahead
+    assert work is not None
+    teach(learning, 1)  # the next step's lessons are not in yet: nothing is chosen ahead with them
+    learning.catch_up()
+    work()
+    budget = learning.budget
+    fresh = VerifyBudget(budget.curve, budget.calibration)
+    stamp, ahead = budget._ahead
+    assert stamp == (budget.curve.changes, budget.calibration.changes)
+    assert {key[0]: n for key, n in ahead.items()} == {tuple(c): fresh.choose_batch([c], 4, 1)[0] for c in chains}
+    assert learning.hand_over(lambda: None) is not None  # nothing upcoming after all: the work only learns

@@ -6,6 +6,7 @@ The runner here is a stand-in with the attributes the proposer reads (``input_ba
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from drafter_service.api.tree import DraftTree, best_chain
+from drafter_service.api.verify_budget import VerifyBudget
 from drafter_service.core.config import DrafterConfig
 from drafter_service.rpc.server import create_server
 from drafter_service.service.config import ServiceConfig
@@ -341,6 +343,52 @@ def test_an_idle_engine_between_batches_does_not_make_drafts_look_free(service, 
     # smaller size look as slow as the large ones, and every token worth verifying.
     drafted = costed_drafts(monkeypatch, service[1], per_token=5.0, idle_after=30)
     assert sum(drafted[25:30]) == 0 and sum(drafted[40:]) == 0
+
+
+def test_one_requests_cut_is_chosen_in_the_background_and_equals_choosing_it_on_the_step(service, monkeypatch):
+    """With one request running, the sender's thread chooses the cut of every chain the next step may propose (once
+    that step's tree landed); the step then looks its chain up instead of choosing, with the same answer."""
+    monkeypatch.setenv("DRAFTER_COST_AWARE", "1")
+    monkeypatch.setenv("DRAFTER_PRESPECULATE", "1")
+    with DrafterClient(service[1]) as client:
+        client.ingest([(DOC[:8], DOC[8:], f"doc{i}") for i in range(3)])
+    proposer, runner = proposer_with_runner()
+    tracker = proposer._tracker
+    now = [0.0]
+    tracker.clock = lambda: now[0]
+    budget = tracker._learning.budget
+    choose_one = budget._choose_one
+    on_step: list[int] = []  # the step at which the engine's thread chose for itself
+    chosen: list[tuple[list[float], int]] = []  # each step's chain estimates and cut
+
+    def choose_on_the_engine_thread(probs, limit, base):
+        if threading.current_thread() is threading.main_thread():
+            on_step.append(len(chosen))
+        return choose_one(probs, limit, base)
+
+    choose_batch = budget.choose_batch
+
+    def recorded(chains, limit, base_tokens=None):
+        keep = choose_batch(chains, limit, base_tokens)
+        chosen.append((list(chains[0]), keep[0], VerifyBudget(budget.curve, budget.calibration).choose_batch(
+            chains, limit, base_tokens)[0]))
+        return keep
+
+    monkeypatch.setattr(budget, "_choose_one", choose_on_the_engine_thread)
+    monkeypatch.setattr(budget, "choose_batch", recorded)
+    propose = runner.step
+
+    def step_then_settle(sampled):
+        out = propose(sampled)
+        now[0] += 0.01 * (1 + 0.01 * sum(len(c) for c in out))
+        assert tracker.speculator.drain()  # the sender sent the step, landed its tree and did its chore
+        return out
+
+    runner.step = step_then_settle
+    generate(runner, {"a": (DOC[:8], DOC[8:70])}, [["a"]] * 40)
+    assert len(chosen) >= 30
+    assert all(keep == fresh for _, keep, fresh in chosen)  # a lookup answers what choosing answers
+    assert not [step for step in on_step if step >= 3]  # after the first steps, every cut was chosen ahead
 
 
 def parallel_config(rank: int, tp: int, pp: int = 1, backend: str | None = "mp") -> SimpleNamespace:
