@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from drafter_service.api.verify_budget import VerifyBudget
@@ -41,10 +42,15 @@ class DeferredLearning:
         self._gathered: list[Lesson] = []  # this step's lessons (the engine's thread only)
         self._handed: list[Lesson] = []  # handed over, not applied yet (under the lock)
         self._lock = threading.Lock()
+        # hand-overs so far, and the last one whose work was done while no later one had come (set last, under the
+        # lock): equal, no work is left to run and a choice needs no lock (works run in order, on one thread)
+        self._hand_overs = 0
+        self._settled = 0
 
-    def outcomes(self, estimates: list[float], accepted: list[bool]) -> None:
-        """Teach the calibration: each verified chain token's estimate and whether it was accepted."""
-        self._gathered.append((self.budget.calibration.observe, (estimates, accepted)))
+    def outcomes(self, chains: list[tuple[list[float], int]]) -> None:
+        """Teach the calibration: per verified chain, its tokens' estimates and how many of its leading tokens were
+        accepted (clipped to the chain)."""
+        self._gathered.append((self._observe_chains, (chains,)))
 
     def step_time(self, tokens: int, seconds: float) -> None:
         """Teach the cost curve: a step of ``tokens`` query tokens took ``seconds``."""
@@ -63,11 +69,14 @@ class DeferredLearning:
         gathered, self._gathered = self._gathered, []
         with self._lock:
             self._handed += gathered
-        return self._learn if upcoming is None else lambda: self._learn(upcoming)
+            self._hand_overs += 1
+            return partial(self._learn, self._hand_overs, upcoming)
 
     def catch_up(self) -> None:
         """Apply what was handed over and not applied yet (before choosing, on the engine's thread). Taking the lock
         also waits for a background thread to finish what it is computing, so the choice reads settled state."""
+        if self._settled == self._hand_overs:  # that thread did all there was, and is done with the budget
+            return
         with self._lock:
             self._apply()
 
@@ -76,12 +85,21 @@ class DeferredLearning:
         with self._lock:
             return what(self.budget)
 
+    def _observe_chains(self, chains: list[tuple[list[float], int]]) -> None:
+        estimates: list[float] = []
+        accepted: list[bool] = []
+        for probs, n in chains:
+            n = min(max(n, 0), len(probs))
+            estimates += probs
+            accepted += [True] * n + [False] * (len(probs) - n)
+        self.budget.calibration.observe(estimates, accepted)
+
     def _apply(self) -> None:
         handed, self._handed = self._handed, []
         for learn, args in handed:
             learn(*args)
 
-    def _learn(self, upcoming: Upcoming | None = None) -> None:
+    def _learn(self, hand_over: int, upcoming: Upcoming | None) -> None:
         with self._lock:
             self._apply()
             # what the next choice reads, computed now rather than on the engine's thread
@@ -90,3 +108,5 @@ class DeferredLearning:
                 self.budget.prepare()
             else:
                 self.budget.prepare(*ahead)
+            if hand_over == self._hand_overs:
+                self._settled = hand_over

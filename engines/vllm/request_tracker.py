@@ -188,15 +188,18 @@ class RequestTracker:
         fig = self.figures
         fig.offered_tokens += offered
         if learning is not None:
+            self._alone = (handles[0], rows) if len(handles) == 1 else None
             if offered:
                 learning.catch_up()  # the earlier steps' lessons; this step's wait for ``release``
-                keep = learning.budget.choose_batch(probs, self.k, base_tokens=rows)
-                self._alone = (handles[0], rows) if len(handles) == 1 else None
+                keep = learning.budget.choose_batch(probs, self.k, base_tokens=rows)  # each <= its chain's length
                 tokens = [t[:n] for t, n in zip(tokens, keep, strict=True)]
                 self.speculator.proposed(handles, keep)
-                offered = sum(map(len, tokens))
-            for q, t, p in zip(reqs, tokens, probs, strict=True):
-                q.probs = p[:len(t)]
+                offered = sum(keep)
+                for q, p, n in zip(reqs, probs, keep, strict=True):
+                    q.probs = p[:n]
+            else:
+                for q in reqs:
+                    q.probs = []
         fig.drafted_rows += sum(map(bool, tokens))
         fig.draft_tokens += offered
         return tokens, offered
@@ -204,16 +207,11 @@ class RequestTracker:
     def _learn(self, reqs: list[_Request], new: list[list[int]]) -> None:
         """Teach the budget's calibration which tokens of the chains proposed last were accepted (a row gains its
         accepted draft tokens plus the target's own). Only with a budget."""
-        estimates: list[float] = []
-        outcomes: list[bool] = []
-        for q, toks in zip(reqs, new, strict=True):
-            if q.probs:
-                accepted = min(max(len(toks) - 1, 0), len(q.probs))
-                estimates += q.probs
-                outcomes += [True] * accepted + [False] * (len(q.probs) - accepted)
-                q.probs = []
-        if estimates and self._learning is not None:
-            self._learning.outcomes(estimates, outcomes)
+        # the row's new tokens are its accepted draft tokens and the target's own; each row's estimates are replaced
+        # by its next chain's in ``_draft``
+        chains = [(q.probs, len(toks) - 1) for q, toks in zip(reqs, new, strict=True) if q.probs]
+        if chains and self._learning is not None:
+            self._learning.outcomes(chains)
 
     def _time_step(self, began: float, ids: tuple[str, ...], all_sampled: bool, tokens: int) -> None:
         """Teach the budget's curve what the previous step cost (from the end of the previous ``step`` to the

@@ -8,7 +8,7 @@ from engines.vllm.budget_learning import DeferredLearning
 
 
 def teach(learning: DeferredLearning, step: int) -> None:
-    learning.outcomes([0.9, 0.5, 0.2], [True, step % 2 == 0, False])
+    learning.outcomes([([0.9, 0.5, 0.2], 2 if step % 2 == 0 else 1)])
     learning.step_time(2 + step % 5, 0.01 * (1 + step % 5))
 
 
@@ -65,3 +65,30 @@ def test_upcoming_chains_handed_over_with_a_step_are_chosen_ahead_once_its_lesso
     assert stamp == (budget.curve.changes, budget.calibration.changes)
     assert {key[0]: n for key, n in ahead.items()} == {tuple(c): fresh.choose_batch([c], 4, 1)[0] for c in chains}
     assert learning.hand_over(lambda: None) is not None  # nothing upcoming after all: the work only learns
+
+
+def catches_up_while_the_lock_is_held(learning: DeferredLearning) -> bool:
+    """Whether ``catch_up`` returns while another thread holds the lock (it did not need it)."""
+    with learning._lock:
+        caught_up = threading.Thread(target=learning.catch_up, daemon=True)
+        caught_up.start()
+        caught_up.join(0.2)
+        returned = not caught_up.is_alive()
+    caught_up.join()
+    return returned
+
+
+def test_a_choice_takes_the_lock_only_while_work_handed_over_is_left_to_run():
+    learning = DeferredLearning(VerifyBudget())
+    teach(learning, 0)
+    first = learning.hand_over()
+    teach(learning, 1)
+    second = learning.hand_over()
+    assert first is not None and second is not None
+    first()  # it applies both steps' lessons, but the second step's work is still to run and would prepare
+    assert not catches_up_while_the_lock_is_held(learning)
+    second()
+    assert catches_up_while_the_lock_is_held(learning)
+    teach(learning, 2)
+    assert learning.hand_over() is not None  # handed over, its work not run: the lock again
+    assert not catches_up_while_the_lock_is_held(learning)
