@@ -569,13 +569,14 @@ class VerifyBudget:
             return [min(len(c), limit, self.min_nodes) for c in chains]
         base = len(chains) if base_tokens is None else base_tokens
         self._last_base = base
-        cap = self.explore_limit() - base
         if len(chains) == 1:
             stamp, ahead = self._ahead
             if stamp[0] == self.curve.changes and stamp[1] == self.calibration.changes:
                 n = ahead.get((tuple(chains[0]), limit, base))
                 if n is not None:
                     return [n]
+        cap = self.explore_limit() - base
+        if len(chains) == 1:
             return [self._choose_one(chains[0], min(limit, cap), base)]
         if sum(min(len(c), limit) for c in chains) >= VECTOR_FROM:
             return self._choose_many(chains, limit, base, cap)
