@@ -197,9 +197,6 @@ class RequestTracker:
                 offered = sum(keep)
                 for q, p, n in zip(reqs, probs, keep, strict=True):
                     q.probs = p[:n]
-            else:
-                for q in reqs:
-                    q.probs = []
         fig.drafted_rows += sum(map(bool, tokens))
         fig.draft_tokens += offered
         return tokens, offered
@@ -207,9 +204,11 @@ class RequestTracker:
     def _learn(self, reqs: list[_Request], new: list[list[int]]) -> None:
         """Teach the budget's calibration which tokens of the chains proposed last were accepted (a row gains its
         accepted draft tokens plus the target's own). Only with a budget."""
-        # the row's new tokens are its accepted draft tokens and the target's own; each row's estimates are replaced
-        # by its next chain's in ``_draft``
-        chains = [(q.probs, len(toks) - 1) for q, toks in zip(reqs, new, strict=True) if q.probs]
+        chains: list[tuple[list[float], int]] = []
+        for q, toks in zip(reqs, new, strict=True):
+            if q.probs:  # its new tokens are the accepted draft tokens and the target's own
+                chains.append((q.probs, len(toks) - 1))
+                q.probs = []
         if chains and self._learning is not None:
             self._learning.outcomes(chains)
 
