@@ -570,14 +570,8 @@ class VerifyBudget:
         base = len(chains) if base_tokens is None else base_tokens
         self._last_base = base
         if len(chains) == 1:
-            stamp, ahead = self._ahead
-            if stamp[0] == self.curve.changes and stamp[1] == self.calibration.changes:
-                n = ahead.get((tuple(chains[0]), limit, base))
-                if n is not None:
-                    return [n]
+            return [self._one_row(chains[0], limit, base)]
         cap = self.explore_limit() - base
-        if len(chains) == 1:
-            return [self._choose_one(chains[0], min(limit, cap), base)]
         if sum(min(len(c), limit) for c in chains) >= VECTOR_FROM:
             return self._choose_many(chains, limit, base, cap)
         taken = [0] * len(chains)
@@ -603,6 +597,16 @@ class VerifyBudget:
         for r in order[:best_total]:
             out[r] += 1
         return out
+
+    def _one_row(self, probs: Sequence[float], limit: int, base: int) -> int:
+        """``choose_batch`` of one chain: the choice made ahead for it (``prepare``) while the budget has not learnt
+        since, else chosen now."""
+        stamp, ahead = self._ahead
+        if stamp[0] == self.curve.changes and stamp[1] == self.calibration.changes:
+            n = ahead.get((tuple(probs), limit, base))
+            if n is not None:
+                return n
+        return self._choose_one(probs, min(limit, self.explore_limit() - base), base)
 
     def _choose_one(self, probs: Sequence[float], limit: int, base: int) -> int:
         """``choose_batch`` of one chain (the same choice): its calibrated tokens come in order already."""

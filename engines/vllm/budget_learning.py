@@ -104,9 +104,6 @@ class DeferredLearning:
             self._apply()
             # what the next choice reads, computed now rather than on the engine's thread
             ahead = upcoming() if upcoming is not None else None
-            if ahead is None:
-                self.budget.prepare()
-            else:
-                self.budget.prepare(*ahead)
+            self.budget.prepare(*(ahead or ()))
             if hand_over == self._hand_overs:
                 self._settled = hand_over

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from drafter_service.api.verify_budget import VerifyBudget
@@ -240,16 +241,14 @@ class RequestTracker:
         if learning is None:
             self.speculator.release()
             return
-        self.speculator.release(learning.hand_over(self._upcoming if self._alone is not None else None))
-
-    def _upcoming(self) -> tuple[list[list[float]], int, int] | None:
-        """The chains the next step may cut for the one request the last step drafted, to be chosen ahead
-        (``VerifyBudget.prepare``): in the sender's thread, once that request's next tree landed."""
         alone = self._alone
-        if alone is None:
-            return None
-        chains = self.speculator.upcoming_estimates(alone[0], self.k)
-        return (chains, self.k, alone[1]) if chains else None
+        self.speculator.release(learning.hand_over(partial(self._upcoming, *alone) if alone is not None else None))
+
+    def _upcoming(self, req: Tracked, rows: int) -> tuple[list[list[float]], int, int] | None:
+        """The chains the next step may cut for ``req``, the one request the last step drafted (of ``rows``), to be
+        chosen ahead (``VerifyBudget.prepare``): in the sender's thread, once that request's next tree landed."""
+        chains = self.speculator.upcoming_estimates(req, self.k)
+        return (chains, self.k, rows) if chains else None
 
     def sync_figures(self) -> None:
         """Copy the speculator's figures, and the budget's curve and calibration, into ``figures``."""
