@@ -61,9 +61,11 @@ def serve(args: argparse.Namespace) -> None:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
+    # one process: the engine core and its model runner in this one (no IPC; vLLM imported once, not three times)
+    layout = {"distributed_executor_backend": "uni"} if args.one_process else {}
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
               max_model_len=args.max_model_len, speculative_config=speculative_config(args.method, args.k),
-              disable_log_stats=False, seed=0, max_num_seqs=args.max_num_seqs)
+              disable_log_stats=False, seed=0, max_num_seqs=args.max_num_seqs, **layout)
     _answer({"ready": True, "seconds": time.perf_counter() - t0})
     for line in sys.stdin:
         if not line.strip():
@@ -83,6 +85,10 @@ def serve(args: argparse.Namespace) -> None:
         t1 = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t1
+        if args.one_process:
+            # the step that tells the model runner which requests finished (vLLM's engine core process runs it on
+            # its own; here nothing would until the next generate): the proposer ends them once it has run
+            llm.llm_engine.step()
         _answer({"outputs": [list(r.outputs[0].token_ids) for r in results], "seconds": seconds,
                  "counters": _counters(llm)})
     _answer({"bye": True})
@@ -96,7 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--one-process", action="store_true",
+                        help="run vLLM's engine core and model runner in this process (vLLM's default spawns two "
+                             "more processes: slower to start, as deployed)")
     args = parser.parse_args(argv)
+    if args.one_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # custom_class runs on the V1 runner: all methods alike
     serve(args)

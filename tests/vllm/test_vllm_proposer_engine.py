@@ -1,6 +1,8 @@
 """drafter inside a real vLLM engine (CPU, SmolLM2-135M, float32) beside a real ``drafter serve`` process.
 
-vLLM lives in its own venv (``make vllm``); each engine runs there as a child process (``bench.vllm_engine``).
+vLLM lives in its own venv (``make vllm``); each engine runs there as a child process (``bench.vllm_engine``), its
+engine core and model runner inside that process (vLLM's own layout, two more processes, is what the API server tests
+start; in one process an engine starts in half the time here).
 Without that venv these tests are skipped, unless DRAFTER_REQUIRE_VLLM=1 (``make test`` sets it) makes them fail.
 """
 
@@ -55,7 +57,8 @@ def model() -> str:
 def engine(model: str, method: str, workdir: Path, name: str, env: dict[str, str] | None = None
            ) -> VllmEngineProcess:
     log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 (closed with the module's files)
-    return VllmEngineProcess(model, method, K, env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}, log=log)
+    return VllmEngineProcess(model, method, K, env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}, log=log,
+                             one_process=True)
 
 
 #: The generation the service is stopped in: requests that end while it is stopped, and longer ones that go on
