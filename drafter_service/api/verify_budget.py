@@ -565,12 +565,17 @@ class VerifyBudget:
         Returns:
             per request, how many leading tokens to verify.
         """
+        base = len(chains) if base_tokens is None else base_tokens
+        if len(chains) == 1:  # first a choice made ahead (``prepare``), which only a measured curve makes
+            n = self._made_ahead(chains[0], limit, base)
+            if n is not None:
+                self._last_base = base
+                return [n]
         if not self.curve.measured:
             return [min(len(c), limit, self.min_nodes) for c in chains]
-        base = len(chains) if base_tokens is None else base_tokens
         self._last_base = base
         if len(chains) == 1:
-            return [self._one_row(chains[0], limit, base)]
+            return [self._choose_one(chains[0], min(limit, self.explore_limit() - base), base)]
         cap = self.explore_limit() - base
         if sum(min(len(c), limit) for c in chains) >= VECTOR_FROM:
             return self._choose_many(chains, limit, base, cap)
@@ -598,15 +603,12 @@ class VerifyBudget:
             out[r] += 1
         return out
 
-    def _one_row(self, probs: Sequence[float], limit: int, base: int) -> int:
-        """``choose_batch`` of one chain: the choice made ahead for it (``prepare``) while the budget has not learnt
-        since, else chosen now."""
+    def _made_ahead(self, probs: Sequence[float], limit: int, base: int) -> int | None:
+        """The choice ``prepare`` made ahead for one chain, while the budget has not learnt since (None: none)."""
         stamp, ahead = self._ahead
         if stamp[0] == self.curve.changes and stamp[1] == self.calibration.changes:
-            n = ahead.get((tuple(probs), limit, base))
-            if n is not None:
-                return n
-        return self._choose_one(probs, min(limit, self.explore_limit() - base), base)
+            return ahead.get((tuple(probs), limit, base))
+        return None
 
     def _choose_one(self, probs: Sequence[float], limit: int, base: int) -> int:
         """``choose_batch`` of one chain (the same choice): its calibrated tokens come in order already."""
