@@ -74,7 +74,7 @@ class Ended:
     req: Tracked
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen, as Stepped: a frozen dataclass sets its fields through object.__setattr__
 class Chore:
     """Work the engine hands this thread with a step (an engine's own learning), done after the step's call: the
     engine wakes one thread per step, not two."""
