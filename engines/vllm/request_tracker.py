@@ -193,11 +193,13 @@ class RequestTracker:
             if offered:
                 learning.catch_up()  # the earlier steps' lessons; this step's wait for ``release``
                 keep = learning.budget.choose_batch(probs, self.k, base_tokens=rows)  # each <= its chain's length
-                tokens = [t[:n] for t, n in zip(tokens, keep, strict=True)]
                 self.speculator.proposed(handles, keep)
                 offered = sum(keep)
-                for q, p, n in zip(reqs, probs, keep, strict=True):
+                cut: list[list[int]] = []  # one loop for both cuts
+                for q, t, p, n in zip(reqs, tokens, probs, keep, strict=True):
+                    cut.append(t[:n])
                     q.probs = p[:n]
+                tokens = cut
         fig.drafted_rows += sum(map(bool, tokens))
         fig.draft_tokens += offered
         return tokens, offered
