@@ -36,9 +36,11 @@ LEADER = 999  # in no request: only the frozen table knows what follows it
 FROZEN = FrozenNGramTable(1, 3, {(LEADER,): [((997, 998, 996), 50)]})
 
 
-def flags(url: str, address: str) -> list[str]:
-    """`drafter serve` flags both services share (the drafts then depend on the stored requests alone)."""
-    return ["--redis-url", url, "--address", address, "--http-address", "", "--vocab-size", str(VOCAB),
+def flags(url: str, address: str, data_dir: Path) -> list[str]:
+    """`drafter serve` flags both services share (the drafts then depend on the stored requests alone), each with a
+    data folder of its own (index files, spool) under the test's temporary folder."""
+    return ["--redis-url", url, "--address", address, "--data-dir", str(data_dir), "--http-address", "",
+            "--vocab-size", str(VOCAB),
             "--namespaces", "code=1000", "--capacity", "200000", "--rebuild-in-subprocess", "0",
             "--rebuild-interval", "0.2", "--snapshot-interval", "3600", "--metrics-interval", "3600"]
 
@@ -71,7 +73,7 @@ def test_two_namespaces_on_two_nodes_and_a_second_service_drafts_the_same_trees(
     rng = np.random.default_rng(3)
     reqs = {ns: [((first + rng.integers(0, 40, 10)).tolist(), (first + rng.integers(0, 40, 60)).tolist())
                  for _ in range(120)] for ns, first in NAMESPACES.items()}
-    first = serve_here(flags(cluster.url, "127.0.0.1:0"))
+    first = serve_here(flags(cluster.url, "127.0.0.1:0", tmp_path / "first"))
     a_address = f"127.0.0.1:{first.port}"
     second: subprocess.Popen | None = None
     try:
@@ -103,7 +105,8 @@ def test_two_namespaces_on_two_nodes_and_a_second_service_drafts_the_same_trees(
 
         b_address = f"127.0.0.1:{free_port()}"
         with open(tmp_path / "second.log", "wb") as log:
-            second = subprocess.Popen([DRAFTER, "serve", *flags(cluster.url, b_address), "--replica-id", "second"],
+            second = subprocess.Popen([DRAFTER, "serve", *flags(cluster.url, b_address, tmp_path / "second"),
+                                       "--replica-id", "second"],
                                       env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
         wait_serving(b_address, timeout=90, proc=second)
         with grpc.insecure_channel(b_address) as channel:
