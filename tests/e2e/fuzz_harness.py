@@ -117,8 +117,8 @@ REQUEST_BYTES = st.binary(max_size=200) | st.builds(lambda a, b: a + b, st.sampl
 class Fuzzed:
     """A Runtime on a real Redis, a channel to it, and the checks every case ends with."""
 
-    def __init__(self, redis_url: str) -> None:
-        cfg = ServiceConfig(address="127.0.0.1:0", redis_url=redis_url, http_address="",
+    def __init__(self, redis_url: str, data_dir: str) -> None:
+        cfg = ServiceConfig(address="127.0.0.1:0", redis_url=redis_url, http_address="", data_dir=data_dir,
                             default_vocab_size=VOCAB["default"], namespaces=(NamespaceSpec("other", VOCAB["other"]),),
                             drafter=DrafterConfig(capacity=CAPACITY, tail_tokens=256), rebuild_in_subprocess=False,
                             rebuild_interval_s=3600, snapshot_interval_s=3600, metrics_interval_s=3600,

@@ -149,14 +149,14 @@ def settled(state, after_points: int = 0) -> bool:
             and store[-1] > store[0])  # and the store grows as requests end
 
 
-def test_dashboard_plots_fill_live_and_the_speedup_moves(redis_server):
+def test_dashboard_plots_fill_live_and_the_speedup_moves(redis_server, tmp_path):
     webdriver = require_browser()
     from selenium.common.exceptions import JavascriptException
     from selenium.webdriver.support.ui import WebDriverWait
 
     cfg = ServiceConfig(address="127.0.0.1:0", redis_url=redis_server.url, http_address="127.0.0.1:0",
-                        default_vocab_size=VOCAB, drafter=DrafterConfig(capacity=1 << 18),
-                        rebuild_in_subprocess=False, metrics_interval_s=0.5)
+                        data_dir=str(tmp_path / "data"), default_vocab_size=VOCAB,
+                        drafter=DrafterConfig(capacity=1 << 18), rebuild_in_subprocess=False, metrics_interval_s=0.5)
     profile = tempfile.mkdtemp(prefix="drafter-chromium-")
     runtime = Runtime(cfg).start()
     load = LoadGenerator(f"127.0.0.1:{runtime.port}")

@@ -29,6 +29,8 @@ REQS = {f"r{i}": (rng.integers(0, 900, 8).tolist(), rng.integers(0, 900, 40).tol
 
 
 def start(redis_url, spool_dir, **kw):
+    """A service whose data folder (its index files) is ``spool_dir`` + "-data", kept across its restarts."""
+    kw.setdefault("data_dir", f"{spool_dir}-data")
     cfg = ServiceConfig(address="127.0.0.1:0", redis_url=redis_url, http_address="127.0.0.1:0",
                         default_vocab_size=VOCAB, drafter=DrafterConfig(capacity=1 << 16), rebuild_in_subprocess=False,
                         rebuild_interval_s=0.1, snapshot_interval_s=3600, metrics_interval_s=3600,

@@ -21,8 +21,9 @@ TABLE = FrozenNGramTable(1, 3, {(LEADER,): [((901, 902, 903), 50), ((904, 905, 9
 OTHER = FrozenNGramTable(1, 3, {(LEADER,): [((950, 951, 952), 7)]})
 
 
-def start(redis_url):
+def start(redis_url, data_dir):
     cfg = ServiceConfig(address="127.0.0.1:0", redis_url=redis_url, http_address="", default_vocab_size=VOCAB,
+                        data_dir=str(data_dir),
                         namespaces=(NamespaceSpec("small", 100),), drafter=DrafterConfig(capacity=1 << 16),
                         rebuild_in_subprocess=False, rebuild_interval_s=3600, snapshot_interval_s=3600,
                         metrics_interval_s=3600)
@@ -31,8 +32,8 @@ def start(redis_url):
 
 
 @pytest.fixture
-def service(redis_server):
-    runtime, address = start(redis_server.url)
+def service(redis_server, tmp_path):
+    runtime, address = start(redis_server.url, tmp_path / "data")
     channel = grpc.insecure_channel(address)
     yield address, pb_grpc.DrafterStub(channel), runtime
     channel.close()
@@ -75,17 +76,17 @@ def test_put_list_draft_replace_remove(service):
     assert remove_frozen_table(address, "chat") is False
 
 
-def test_a_big_table_in_many_chunks_survives_a_restart(redis_server):
+def test_a_big_table_in_many_chunks_survives_a_restart(redis_server, tmp_path):
     rng = np.random.default_rng(0)
     table = build_frozen_table([rng.integers(0, VOCAB, 3000) for _ in range(4)], 1, 3, 400, 16)
     assert len(list(frozen_table_chunks(table, "big", chunk_bytes=2000))) > 10
-    runtime, address = start(redis_server.url)
+    runtime, address = start(redis_server.url, tmp_path / "first")
     try:
         put_frozen_table(address, "big", table, chunk_bytes=2000)
         put_frozen_table(address, "chat", TABLE)
     finally:
         runtime.stop(grace=0)
-    runtime, address = start(redis_server.url)
+    runtime, address = start(redis_server.url, tmp_path / "second")
     try:
         served = runtime.service.namespace("default").drafter.frozen
         assert sorted(served) == ["big", "chat"] and list(served["big"].items()) == list(table.items())

@@ -53,8 +53,8 @@ from engine_client.draft_reuse import trees_of_batch
 
 
 @pytest.fixture
-def fuzzed(redis_server, request, capsys):
-    service = Fuzzed(redis_server.url)
+def fuzzed(redis_server, request, capsys, tmp_path):
+    service = Fuzzed(redis_server.url, str(tmp_path / "data"))
     yield service
     service.check()
     service.check_contents()

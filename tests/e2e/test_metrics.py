@@ -5,6 +5,7 @@ import json
 import logging
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -50,8 +51,8 @@ SPEEDUP_STEPS, SPEEDUP = 3, (10 / 0.625) * (0.25 / 3)  # 4/3
 STORED_TOKENS = 20 + 1                              # the document and its separator
 
 
-def start_runtime(redis_url: str) -> Runtime:
-    cfg = ServiceConfig(address="127.0.0.1:0", redis_url=redis_url, http_address="127.0.0.1:0",
+def start_runtime(redis_url: str, data_dir: Path) -> Runtime:
+    cfg = ServiceConfig(address="127.0.0.1:0", redis_url=redis_url, http_address="127.0.0.1:0", data_dir=str(data_dir),
                         default_vocab_size=VOCAB, drafter=DrafterConfig(capacity=1 << 16),
                         rebuild_in_subprocess=False, rebuild_interval_s=3600, snapshot_interval_s=3600,
                         metrics_interval_s=3600)  # the test rolls up by hand
@@ -85,8 +86,8 @@ def run_script(stub) -> None:
 
 
 @pytest.fixture
-def running(redis_server):
-    runtime = start_runtime(redis_server.url)
+def running(redis_server, tmp_path):
+    runtime = start_runtime(redis_server.url, tmp_path / "data")
     channel = grpc.insecure_channel(f"127.0.0.1:{runtime.port}")
     yield runtime, pb_grpc.DrafterStub(channel)
     channel.close()
@@ -128,8 +129,8 @@ def test_stats_and_prometheus_figures_equal_the_hand_computed_ones(running):
     assert ("drafter_index_age_seconds", ns) in m and ("drafter_store_memory_bytes", ns) in m
 
 
-def test_rollup_points_hold_the_interval_deltas_and_survive_a_restart(redis_server):
-    runtime = start_runtime(redis_server.url)
+def test_rollup_points_hold_the_interval_deltas_and_survive_a_restart(redis_server, tmp_path):
+    runtime = start_runtime(redis_server.url, tmp_path / "data")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{runtime.port}") as channel:
             stub = pb_grpc.DrafterStub(channel)
@@ -170,7 +171,7 @@ def test_rollup_points_hold_the_interval_deltas_and_survive_a_restart(redis_serv
     finally:
         runtime.stop()  # rolls up the last partial interval: the EndSession calls, no drafts
 
-    restarted = start_runtime(redis_server.url)
+    restarted = start_runtime(redis_server.url, tmp_path / "data")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{restarted.port}") as channel:
             assert pb_grpc.DrafterStub(channel).GetStats(pb.GetStatsRequest()).drafts == 0  # counters restart

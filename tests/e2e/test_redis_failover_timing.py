@@ -198,7 +198,8 @@ def test_with_fewer_replicas_than_acks_requests_spool_at_once_health_says_why_an
         runtime = Runtime(ServiceConfig(
             address="127.0.0.1:0", redis_url=primary.url, redis_replica_acks=1, http_address="127.0.0.1:0",
             default_vocab_size=VOCAB, drafter=DrafterConfig(capacity=1 << 16), rebuild_in_subprocess=False,
-            snapshot_interval_s=3600, metrics_interval_s=3600, spool_dir=str(tmp_path / "spool"))).start()
+            snapshot_interval_s=3600, metrics_interval_s=3600, data_dir=str(tmp_path / "data"),
+            spool_dir=str(tmp_path / "spool"))).start()
         channel = grpc.insecure_channel(f"127.0.0.1:{runtime.port}")
         stub = pb_grpc.DrafterStub(channel)
         replica = None

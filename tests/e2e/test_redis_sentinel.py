@@ -123,7 +123,8 @@ def test_a_sigkilled_primary_fails_over_under_load_and_every_acknowledged_reques
     runtime = serve(["--redis-url", sentinels.url, "--redis-replica-acks", "1", "--address", "127.0.0.1:0",
                      "--http-address", "", "--vocab-size", str(VOCAB), "--capacity", str(1 << 18),
                      "--rebuild-in-subprocess", "0", "--rebuild-interval", "0.2", "--snapshot-interval", "3600",
-                     "--metrics-interval", "3600", "--spool-dir", str(tmp_path / "spool"),
+                     "--metrics-interval", "3600", "--data-dir", str(tmp_path / "data"),
+                     "--spool-dir", str(tmp_path / "spool"),
                      "--spool-drain-interval", "0.1", "--workers", "8"])
     address = f"127.0.0.1:{runtime.port}"
     try:

@@ -1,5 +1,7 @@
 """Repeated prompts over a real gRPC channel with real Redis: sessions and Ingest feed the cache, a restart keeps it."""
 
+from pathlib import Path
+
 import grpc
 import pytest
 
@@ -13,8 +15,11 @@ PROMPT = [11, 12, 13, 14]
 OUTPUT = [500 + i for i in range(40)]  # tokens no other request holds
 
 
-def start(redis_url: str) -> tuple[Runtime, pb_grpc.DrafterStub, grpc.Channel]:
+def start(redis_url: str, data_dir: Path) -> tuple[Runtime, pb_grpc.DrafterStub, grpc.Channel]:
+    """A service on ``redis_url`` keeping its index files in ``data_dir`` (a new folder: what a restart knows comes
+    from the request log)."""
     cfg = ServiceConfig(address="127.0.0.1:0", redis_url=redis_url, http_address="", default_vocab_size=1000,
+                        data_dir=str(data_dir),
                         drafter=DrafterConfig(capacity=1 << 16), rebuild_in_subprocess=False,
                         rebuild_interval_s=3600, snapshot_interval_s=3600, metrics_interval_s=3600)
     runtime = Runtime(cfg).start()
@@ -34,8 +39,9 @@ def repeat_branch(stub: pb_grpc.DrafterStub, session_id: str, prompt: list[int],
     return [t for t, s in zip(reply.token_ids, reply.sources, strict=False) if s == pb.SOURCE_REPEAT]
 
 
-def test_a_finished_session_is_offered_to_the_next_request_with_its_prompt_even_after_a_restart(redis_url):
-    runtime, stub, channel = start(redis_url)
+def test_a_finished_session_is_offered_to_the_next_request_with_its_prompt_even_after_a_restart(redis_url,
+                                                                                                  tmp_path):
+    runtime, stub, channel = start(redis_url, tmp_path / "first")
     try:
         assert repeat_branch(stub, "first", PROMPT) == []
         stub.EndSession(pb.EndSessionRequest(session_id="first", accepted=OUTPUT))
@@ -45,7 +51,7 @@ def test_a_finished_session_is_offered_to_the_next_request_with_its_prompt_even_
     finally:
         channel.close()
         runtime.stop(grace=0)
-    runtime, stub, channel = start(redis_url)  # the cache comes back from the request log
+    runtime, stub, channel = start(redis_url, tmp_path / "second")  # the cache comes back from the request log
     try:
         assert repeat_branch(stub, "after", PROMPT) == OUTPUT[:16]
     finally:
@@ -53,8 +59,8 @@ def test_a_finished_session_is_offered_to_the_next_request_with_its_prompt_even_
         runtime.stop(grace=0)
 
 
-def test_an_ingested_request_feeds_the_cache_and_the_branch_follows_the_output(redis_url):
-    runtime, stub, channel = start(redis_url)
+def test_an_ingested_request_feeds_the_cache_and_the_branch_follows_the_output(redis_url, tmp_path):
+    runtime, stub, channel = start(redis_url, tmp_path / "data")
     try:
         stub.Ingest(pb.IngestRequest(requests=[pb.Sequence(prompt=PROMPT, output=OUTPUT, request_id="r1")]))
         assert repeat_branch(stub, "s", PROMPT, max_nodes=8) == OUTPUT[:8]

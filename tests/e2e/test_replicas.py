@@ -4,8 +4,10 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -31,6 +33,8 @@ DELAY_S = 2.0  # the bound asserted on propagation between replicas
 
 
 def start_runtime(redis_url: str, **overrides) -> Runtime:
+    """A replica in this process, with a data folder of its own (as on a machine of its own)."""
+    overrides.setdefault("data_dir", tempfile.mkdtemp(prefix="drafter-replica-"))
     cfg = ServiceConfig(address="127.0.0.1:0", redis_url=redis_url, http_address="", default_vocab_size=VOCAB,
                         drafter=DrafterConfig(capacity=1 << 18), rebuild_in_subprocess=False,
                         rebuild_interval_s=3600, snapshot_interval_s=3600, metrics_interval_s=3600,
@@ -298,12 +302,13 @@ def test_follow_log_and_replica_id_are_validated():
 class Replica:
     """A `drafter serve` process on a free port with ``--redis-url``."""
 
-    def __init__(self, redis_url: str, name: str) -> None:
+    def __init__(self, redis_url: str, name: str, data_dir: Path) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         env = {**os.environ, "DRAFTER_VOCAB_SIZE": str(VOCAB), "DRAFTER_CAPACITY": "200000"}
         self.proc = subprocess.Popen([DRAFTER, "serve", "--redis-url", redis_url, "--address", self.address,
-                                      "--http-address", "", "--replica-id", name, "--snapshot-interval", "3600"],
+                                      "--data-dir", str(data_dir), "--http-address", "", "--replica-id", name,
+                                      "--snapshot-interval", "3600"],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.DrafterStub(self.channel)
@@ -321,11 +326,12 @@ class Replica:
 
 
 @pytest.fixture
-def replicas(redis_server):
+def replicas(redis_server, tmp_path):
     started: list[Replica] = []
 
     def launch(n: int) -> list[Replica]:
-        new = [Replica(redis_server.url, f"r{len(started) + i}") for i in range(n)]
+        names = [f"r{len(started) + i}" for i in range(n)]
+        new = [Replica(redis_server.url, name, tmp_path / name) for name in names]
         started.extend(new)
         return [r.ready() for r in new]
 

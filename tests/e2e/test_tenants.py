@@ -40,6 +40,7 @@ TABLE = FrozenNGramTable(1, 3, {(5,): [((6, 7, 8), 3)]})
 def runtime(tmp_path_factory):
     with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as redis:
         cfg = ServiceConfig(address="127.0.0.1:0", redis_url=redis.url, http_address="127.0.0.1:0",
+                            data_dir=str(tmp_path_factory.mktemp("data")),
                             default_vocab_size=VOCAB, namespaces=tuple(NamespaceSpec(n, VOCAB) for n in
                                                                        ("alpha", "beta", "open")),
                             namespace_tokens=(("alpha", A), ("beta", B)), admin_token=ADMIN, http_token=HTTP,
