@@ -48,14 +48,16 @@ Chains = tuple[list[list[int]], list[list[float]]]
 """Per row: the chain's tokens, and each token's estimate given the row's context."""
 
 
-#: ``lookup_estimates`` of the longest chains asked for in practice, by match length (sliced per chain: after an
-#: engine's pause even a short list comprehension costs a step several µs)
-_LOOKUP_ESTIMATES = {match: [first * LOOKUP_DECAY ** j for j in range(64)] for match, first in LOOKUP_FIRST.items()}
+_TABLED = 64  # chain lengths whose lookup estimates come from the table below
+#: ``lookup_estimates`` up to ``_TABLED`` tokens, by match length (sliced per chain: after an engine's pause even a
+#: short list comprehension costs a step several µs)
+_LOOKUP_ESTIMATES = {match: [first * LOOKUP_DECAY ** j for j in range(_TABLED)]
+                     for match, first in LOOKUP_FIRST.items()}
 
 
 def lookup_estimates(match: int, length: int) -> list[float]:
     """Estimates of a prompt-lookup chain of ``length`` tokens whose match was ``match`` tokens long."""
-    if length <= 64:
+    if length <= _TABLED:
         return _LOOKUP_ESTIMATES[match][:length]
     first = LOOKUP_FIRST[match]
     return [first * LOOKUP_DECAY ** j for j in range(length)]

@@ -40,9 +40,9 @@ def flags(url: str, address: str, data_dir: Path) -> list[str]:
     """`drafter serve` flags both services share (the drafts then depend on the stored requests alone), each with a
     data folder of its own (index files, spool) under the test's temporary folder."""
     return ["--redis-url", url, "--address", address, "--data-dir", str(data_dir), "--http-address", "",
-            "--vocab-size", str(VOCAB),
-            "--namespaces", "code=1000", "--capacity", "200000", "--rebuild-in-subprocess", "0",
-            "--rebuild-interval", "0.2", "--snapshot-interval", "3600", "--metrics-interval", "3600"]
+            "--vocab-size", str(VOCAB), "--namespaces", "code=1000", "--capacity", "200000",
+            "--rebuild-in-subprocess", "0", "--rebuild-interval", "0.2", "--snapshot-interval", "3600",
+            "--metrics-interval", "3600"]
 
 
 def serve_here(argv: list[str]) -> Runtime:
