@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
+import grpc.aio
 
 from drafter_service.api.errors import ResourceExhausted
+from drafter_service.rpc.interceptor import behaviour_of, rebuilt
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ class StreamLimit:
         return release
 
 
-class StreamLimitInterceptor(grpc.ServerInterceptor):
+class StreamLimitInterceptor(grpc.aio.ServerInterceptor):
     """Applies a ``StreamLimit`` to every streaming method (request or response streams, health Watch included).
 
     Place it after the error interceptor, so that the refusal becomes RESOURCE_EXHAUSTED.
@@ -80,32 +83,44 @@ class StreamLimitInterceptor(grpc.ServerInterceptor):
     def __init__(self, limit: StreamLimit) -> None:
         self.limit = limit
 
-    def intercept_service(self, continuation: Callable[[Any], grpc.RpcMethodHandler | None],
-                          handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[grpc.RpcMethodHandler | None]],
+                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
         if handler is None or not (handler.request_streaming or handler.response_streaming):
             return handler
-        method, limit = handler_call_details.method, self.limit
-        parse, out = handler.request_deserializer, handler.response_serializer
-        if handler.response_streaming:
-            inner_stream = handler.stream_stream or handler.unary_stream
-
-            def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        method, limit, inner = handler_call_details.method, self.limit, behaviour_of(handler)
+        if inspect.isasyncgenfunction(inner):
+            async def async_stream(request: Any, context: Any) -> AsyncIterator[Any]:
                 release = limit.acquire(method)
-                context.add_callback(release)  # also when the call ends without closing this generator
+                context.add_done_callback(lambda _: release())  # also when the call ends without closing this
                 try:
-                    yield from inner_stream(request, context)
+                    async for reply in inner(request, context):
+                        yield reply
                 finally:
                     release()
-            wrap = grpc.stream_stream_rpc_method_handler if handler.request_streaming \
-                else grpc.unary_stream_rpc_method_handler
-            return wrap(stream, parse, out)
-        inner_unary = handler.stream_unary
+            return rebuilt(handler, async_stream)
+        if inspect.iscoroutinefunction(inner):
+            async def async_unary(requests: Any, context: Any) -> Any:
+                release = limit.acquire(method)
+                context.add_done_callback(lambda _: release())
+                try:
+                    return await inner(requests, context)
+                finally:
+                    release()
+            return rebuilt(handler, async_unary)
+        if handler.response_streaming:
+            def stream(request: Any, context: Any) -> Iterator[Any]:
+                release = limit.acquire(method)
+                try:
+                    yield from inner(request, context)
+                finally:
+                    release()
+            return rebuilt(handler, stream)
 
-        def unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        def unary(requests: Iterator[Any], context: Any) -> Any:
             release = limit.acquire(method)
             try:
-                return inner_unary(requests, context)
+                return inner(requests, context)
             finally:
                 release()
-        return grpc.stream_unary_rpc_method_handler(unary, parse, out)
+        return rebuilt(handler, unary)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+import grpc.aio
 
 from drafter_service.api.errors import (
     AlreadyExists,
@@ -71,58 +73,120 @@ def _checked(request: Any) -> Any:
     return request
 
 
-class ErrorInterceptor(grpc.ServerInterceptor):
+def rebuilt(handler: grpc.RpcMethodHandler, behaviour: Callable, request_deserializer: Any = None
+            ) -> grpc.RpcMethodHandler:
+    """``handler`` with ``behaviour`` in place of its own (same kind of call, same serializers; the request
+    deserializer replaced when one is given)."""
+    parse = request_deserializer or handler.request_deserializer
+    out = handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(behaviour, parse, out)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(behaviour, parse, out)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(behaviour, parse, out)
+    return grpc.unary_unary_rpc_method_handler(behaviour, parse, out)
+
+
+def behaviour_of(handler: grpc.RpcMethodHandler) -> Callable:
+    """The function that serves a handler's calls."""
+    return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every handler: maps domain errors to status codes; logs anything else and returns INTERNAL.
 
-    Requests that do not parse reach the handler as a marker and are refused with INVALID_ARGUMENT.
+    Requests that do not parse reach the handler as a marker and are refused with INVALID_ARGUMENT. Handlers run on
+    the event loop (coroutines and async generators) keep running there; plain functions stay plain, so the server
+    runs them in its thread pool.
     """
 
-    def intercept_service(self, continuation: Callable[[Any], grpc.RpcMethodHandler | None],
-                          handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[grpc.RpcMethodHandler | None]],
+                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method
-        parse, out = _lenient(handler.request_deserializer), handler.response_serializer
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(_guard_unary(handler.unary_unary, method, False), parse, out)
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(_guard_stream(handler.stream_stream, method, True), parse,
-                                                         out)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(_guard_stream(handler.unary_stream, method, False), parse,
-                                                        out)
-        return grpc.stream_unary_rpc_method_handler(_guard_unary(handler.stream_unary, method, True), parse, out)
+        method, fn, streaming = handler_call_details.method, behaviour_of(handler), handler.request_streaming
+        if inspect.iscoroutinefunction(fn):
+            guard = _guard_coroutine(fn, method, streaming)
+        elif inspect.isasyncgenfunction(fn):
+            guard = _guard_async_stream(fn, method, streaming)
+        elif handler.response_streaming:
+            guard = _guard_stream(fn, method, streaming)
+        else:
+            guard = _guard_unary(fn, method, streaming)
+        return rebuilt(handler, guard, _lenient(handler.request_deserializer))
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+def _aborted(exc: BaseException) -> bool:
+    """The call already ended with a status (an abort, here or further in)."""
+    return isinstance(exc, (grpc.aio.AbortError, grpc.RpcError))
+
+
+def _abort(context: Any, exc: BaseException, method: str) -> None:
+    """From a thread-pool handler: end the call with the exception's status (raises the server's AbortError)."""
+    code, message = _logged_status(exc, method)
+    context.abort(code, message)
+
+
+def _logged_status(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     code, message = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
         logger.error("%s failed", method, exc_info=exc)
-    context.abort(code, message)
+    return code, message
 
 
 def _requests(request: Any, streaming: bool) -> Any:
     return (_checked(r) for r in request) if streaming else _checked(request)
 
 
+async def _async_requests(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _checked(request)
+
+
 def _guard_unary(fn: Callable, method: str, streaming: bool) -> Callable:
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
+    def call(request: Any, context: Any) -> Any:
         try:
             return fn(_requests(request, streaming), context)
         except Exception as exc:
-            if isinstance(exc, grpc.RpcError) or context.code() is not None:
-                raise  # already aborted with a status
+            if _aborted(exc):
+                raise
             _abort(context, exc, method)
     return call
 
 
 def _guard_stream(fn: Callable, method: str, streaming: bool) -> Callable:
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
+    def call(request: Any, context: Any) -> Any:
         try:
             yield from fn(_requests(request, streaming), context)
         except Exception as exc:
-            if isinstance(exc, grpc.RpcError) or context.code() is not None:
+            if _aborted(exc):
                 raise
             _abort(context, exc, method)
+    return call
+
+
+def _guard_coroutine(fn: Callable, method: str, streaming: bool) -> Callable:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            if streaming:
+                return await fn(_async_requests(request), context)
+            return await fn(_checked(request), context)
+        except Exception as exc:
+            if _aborted(exc):
+                raise
+            await context.abort(*_logged_status(exc, method))
+    return call
+
+
+def _guard_async_stream(fn: Callable, method: str, streaming: bool) -> Callable:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for reply in fn(_async_requests(request) if streaming else _checked(request), context):
+                yield reply
+        except Exception as exc:
+            if _aborted(exc):
+                raise
+            await context.abort(*_logged_status(exc, method))
     return call

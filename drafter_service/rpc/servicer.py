@@ -1,13 +1,21 @@
-"""The gRPC servicer: validate, call the service, convert. No logic of its own."""
+"""The gRPC servicer: validate, call the service, convert. No logic of its own.
+
+Drafting calls are coroutines, run on the server's event loop: drafting works in memory and takes a millisecond or
+less. Every call that may wait (storing requests in Redis, uploads, statistics) is a plain function, which the server
+runs in its thread pool; so is a ``DraftBatch`` step that ends sessions (ending one stores its request).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent import futures
 from dataclasses import fields
 
 import grpc
+import grpc.aio
 import numpy as np
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
@@ -99,10 +107,14 @@ def frozen_info_message(header: dict) -> pb.FrozenTableInfo:
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
-    """Implements drafter.v1.Drafter on a ``DrafterService``; errors surface through the interceptor."""
+    """Implements drafter.v1.Drafter on a ``DrafterService``; errors surface through the interceptor.
 
-    def __init__(self, service: DrafterService) -> None:
+    ``pool`` runs the parts of drafting calls that may wait (a batch's ends).
+    """
+
+    def __init__(self, service: DrafterService, pool: futures.Executor) -> None:
         self.service = service
+        self.pool = pool
 
     def _caller(self, context: grpc.ServicerContext) -> Caller:
         """Who calls (Unauthenticated for a malformed or unknown token); the service checks what it may use."""
@@ -114,34 +126,40 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                         fixed_budget=request.fixed_budget)
         return pb.StartSessionResponse(session_id=request.session_id, namespace=ns.name)
 
-    def Draft(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftResponse:
+    def _draft(self, request: pb.DraftRequest, caller: Caller) -> pb.DraftResponse:
         tree, confirmed = self.service.draft(request.session_id, request.accepted, request.max_nodes,
                                              request.report_only, request.step_seconds, request.plain_step_seconds,
-                                             caller=self._caller(context), cost_nodes=request.cost_nodes,
+                                             caller=caller, cost_nodes=request.cost_nodes,
                                              cost_seconds=request.cost_seconds,
                                              estimate_exponent=request.estimate_exponent)
         return tree_message(tree, confirmed)
 
-    def DraftStream(self, requests: Iterator[pb.DraftRequest], context: grpc.ServicerContext
-                    ) -> Iterator[pb.DraftResponse]:
-        draft, caller = self.service.draft, self._caller(context)
-        for request in requests:
-            tree, confirmed = draft(request.session_id, request.accepted, request.max_nodes,
-                                    request.report_only, request.step_seconds, request.plain_step_seconds,
-                                    caller=caller, cost_nodes=request.cost_nodes, cost_seconds=request.cost_seconds,
-                                    estimate_exponent=request.estimate_exponent)
-            yield tree_message(tree, confirmed)
+    async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
+        return self._draft(request, self._caller(context))
 
-    def DraftBatch(self, request: pb.DraftBatchRequest, context: grpc.ServicerContext) -> pb.DraftBatchResponse:
-        return self._batch(request, self._caller(context))
-
-    def DraftBatchStream(self, requests: Iterator[pb.DraftBatchRequest], context: grpc.ServicerContext
-                         ) -> Iterator[pb.DraftBatchResponse]:
+    async def DraftStream(self, requests: AsyncIterator[pb.DraftRequest], context: grpc.aio.ServicerContext
+                          ) -> AsyncIterator[pb.DraftResponse]:
         caller = self._caller(context)
-        for request in requests:
-            yield self._batch(request, caller)
+        async for request in requests:
+            yield self._draft(request, caller)
 
-    def _batch(self, request: pb.DraftBatchRequest, caller: Caller) -> pb.DraftBatchResponse:
+    async def DraftBatch(self, request: pb.DraftBatchRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.DraftBatchResponse:
+        return await self._batch(request, self._caller(context))
+
+    async def DraftBatchStream(self, requests: AsyncIterator[pb.DraftBatchRequest],
+                               context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DraftBatchResponse]:
+        caller = self._caller(context)
+        async for request in requests:
+            yield await self._batch(request, caller)
+
+    async def _batch(self, request: pb.DraftBatchRequest, caller: Caller) -> pb.DraftBatchResponse:
+        """A batch on the loop, or in the pool when it ends sessions (their requests are stored)."""
+        if request.end:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, self._batch_now, request, caller)
+        return self._batch_now(request, caller)
+
+    def _batch_now(self, request: pb.DraftBatchRequest, caller: Caller) -> pb.DraftBatchResponse:
         steps, bounds = batch_steps(request)
         outcome = self.service.draft_batch(
             [(s.namespace, s.session_id, s.prompt, s.max_nodes, s.fixed_budget) for s in request.start], steps,

@@ -7,11 +7,11 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 from grpc_health.v1 import health
 
 from drafter_service.ingest.warm_watch import FolderWatch, service_watch
 from drafter_service.namespaces.log_follower import LogFollower, default_replica_id
+from drafter_service.rpc.loop_server import LoopServer
 from drafter_service.rpc.persistence_health import PersistenceHealth
 from drafter_service.rpc.server import create_server
 from drafter_service.runtime.index_folder import attach_index_files
@@ -36,7 +36,7 @@ class Runtime:
         self.config = config
         self.redis: EmbeddedRedis | None = None
         self.service: DrafterService | None = None
-        self.server: grpc.Server | None = None
+        self.server: LoopServer | None = None
         self.port = 0
         self.rollup: MetricsRollup | None = None
         self.http: DashboardServer | None = None

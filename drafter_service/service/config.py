@@ -110,7 +110,8 @@ class ServiceConfig:
     max_sessions: int = field(default=100000, metadata=setting(
         "--max-sessions", "most live sessions over all namespaces", LIMITS))
     workers: int = field(default=128, metadata=setting(
-        "--workers", "gRPC worker threads (an open stream holds one)", NETWORK))
+        "--workers", "gRPC worker threads for the calls that may wait (an open upload or health Watch holds one)",
+        NETWORK))
     max_streams: int = field(default=0, metadata=setting(
         "--max-streams", "most streaming calls (DraftStream, PutFrozenTable, health Watch) open at once, below "
         "--workers so unary calls always find a thread (more are refused with RESOURCE_EXHAUSTED; 0: three "
