@@ -101,12 +101,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     runs them in its thread pool.
     """
 
+    def __init__(self) -> None:
+        self._guarded: dict[str, grpc.RpcMethodHandler] = {}  # the handlers are fixed once the server starts
+
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[grpc.RpcMethodHandler | None]],
                                 handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method, fn, streaming = handler_call_details.method, behaviour_of(handler), handler.request_streaming
+        method = handler_call_details.method
+        guarded = self._guarded.get(method)
+        if guarded is None:
+            handler = await continuation(handler_call_details)
+            if handler is None:  # an unknown method: not kept, so unknown names cannot fill the dict
+                return None
+            guarded = self._guarded[method] = self._guard(handler, method)
+        return guarded
+
+    @staticmethod
+    def _guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        fn, streaming = behaviour_of(handler), handler.request_streaming
         if inspect.iscoroutinefunction(fn):
             guard = _guard_coroutine(fn, method, streaming)
         elif inspect.isasyncgenfunction(fn):
