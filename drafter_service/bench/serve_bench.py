@@ -350,9 +350,21 @@ def _measure(svc: ServiceProcess, args: argparse.Namespace, held: list[Request],
     print(f"  with the index file:        {with_file.line()}")
     without = restart(svc, False, probe)
     print(f"  without it (full rebuild):  {without.line()}")
-    same = sum(a == b for a, b in zip(with_file.drafts, without.drafts, strict=True))
-    print(f"  drafts of {len(with_file.drafts)} probe sessions equal after both restarts: {same} of "
-          f"{len(with_file.drafts)}")
+    pairs = list(zip(with_file.drafts, without.drafts, strict=True))
+    same = sum(a == b for a, b in pairs)
+    same_trees = sum(a[:2] == b[:2] for a, b in pairs)  # token ids and parents: probabilities aside
+    print(f"  drafts of {len(pairs)} probe sessions equal after both restarts: {same} of {len(pairs)} "
+          f"(the same tokens and shape: {same_trees})")
+    for i, (a, b) in enumerate(pairs):
+        if a != b:
+            print(f"    first that differs, probe {i}: with the file {_tree_head(a)}; rebuilt {_tree_head(b)}")
+            break
+
+
+def _tree_head(tree: tuple) -> str:
+    """A probe's tree in brief: its size, first tokens and first probabilities."""
+    tokens, _, probs = tree
+    return f"{len(tokens)} nodes, tokens {list(tokens[:8])}, probs {[round(p, 3) for p in probs[:4]]}"
 
 
 def _index_current(svc: ServiceProcess, stub: pb_grpc.DrafterStub, timeout: float) -> tuple[float, str]:
