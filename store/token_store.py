@@ -120,7 +120,7 @@ class TokenStore:
     """
 
     def __init__(self, capacity: int = 32 * 1024 * 1024, tail_tokens: int = 8192,
-                 delta_fraction: float = 0.25, max_candidates: int = 4096, max_examined: int = 1024,
+                 delta_fraction: float = 0.25, max_candidates: int = 4096, max_examined: int = 65536,
                  tail_window: int = TAIL_WINDOW) -> None:
         """Create an empty store.
 
@@ -130,7 +130,10 @@ class TokenStore:
             delta_fraction: the main index is rebuilt when what it misses (tokens after it) plus what it
                 still lists but the ring overwrote exceeds this share of it.
             max_candidates: occurrences per index examined when extending a match past one key.
-            max_examined: occurrences of the longest match gathered before picking the most recent.
+            max_examined: occurrences of the longest match gathered before picking the most recent. Up to it
+                the pick is the most recent of all of them, whatever the split between the main and the delta
+                index (a store restored from an index file drafts as one rebuilt); beyond it, of an evenly spaced
+                sample, which depends on that split.
             tail_window: most unindexed tokens (the newest) a lookup searches.
         """
         if tail_window < 1:

@@ -382,3 +382,26 @@ def test_full_ring_rebuilds_the_small_index_until_much_of_the_main_one_is_overwr
     assert store.rebuild() == "main"
     assert store.rebuild_due() is None
     store.check_invariants()
+
+
+def test_a_main_and_a_delta_index_find_what_one_index_over_the_same_tokens_finds() -> None:
+    """A store restarted from an index file (a main and a delta index) drafts as one rebuilt over everything: with
+    thousands of occurrences of a context, the most recent ones are picked from all of them, not from a sample
+    that depends on how the tokens are split between the indexes."""
+    rng = np.random.default_rng(7)
+    docs = [np.concatenate([[5, 6, 7], rng.integers(10, 60, 6), rng.integers(100, 2000, 20)]).astype(np.int32)
+            for _ in range(6000)]
+    split, one = TokenStore(capacity=1 << 20), TokenStore(capacity=1 << 20)
+    for i, doc in enumerate(docs):
+        split.append(doc)
+        one.append(doc)
+        if i == 3999:
+            split.rebuild("main")
+    split.rebuild("delta")
+    one.rebuild("main")
+    assert split.stats()["indexed_tokens"] == one.stats()["indexed_tokens"] == len(one.ring)  # all, separators too
+    for context in ([5, 6, 7], [6, 7], [1, 5, 6, 7, 12], [7]):
+        a, b = split.lookup(context), one.lookup(context)
+        assert a.match_len == b.match_len > 0
+        np.testing.assert_array_equal(a.counts, b.counts)
+        np.testing.assert_array_equal(a.rows, b.rows)
