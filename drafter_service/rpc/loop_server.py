@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent import futures
-from typing import Any
 
 import grpc
 
@@ -37,12 +36,6 @@ class LoopServer:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    def call(self, make: Callable[[], Awaitable[Any]], timeout: float | None = None) -> Any:
-        """Run a coroutine made by ``make`` on the loop and return its result (from any other thread)."""
-        async def run() -> Any:
-            return await make()
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
-
     def start(self, build: Callable[[], grpc.aio.Server]) -> None:
         """Build the server on the loop (``build`` runs there, as ``grpc.aio.server`` requires) and start it.
 
@@ -53,9 +46,9 @@ class LoopServer:
             self.server = build()
             await self.server.start()
         try:
-            self.call(start)
+            asyncio.run_coroutine_threadsafe(start(), self.loop).result()
         except BaseException:
-            self._close(None)
+            self._close()
             raise
 
     def stop(self, grace: float | None) -> threading.Event:
@@ -66,20 +59,17 @@ class LoopServer:
             self._stopping = True
         server = self.server
         if server is None:
-            self._close(None)
+            self._close()
             return self._stopped
         future = asyncio.run_coroutine_threadsafe(server.stop(grace), self.loop)
-        future.add_done_callback(lambda _: threading.Thread(target=self._close, args=(None,), daemon=True).start())
+        # the callback runs on the loop's thread, which _close joins: it closes from a thread of its own
+        future.add_done_callback(lambda _: threading.Thread(target=self._close, daemon=True).start())
         return self._stopped
 
-    def _close(self, _: object) -> None:
+    def _close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self.loop.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self._stopped.set()
-
-    def wait_for_termination(self, timeout: float | None = None) -> bool:
-        """Block until the server has stopped; False when ``timeout`` passed first."""
-        return self._stopped.wait(timeout)
