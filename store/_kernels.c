@@ -273,6 +273,8 @@ static int64_t extend_core(const Ring *r, Vec *ends, const int64_t *ctx, int64_t
  * have at most BUCKET_BITS bits, else a bucket that every search starts in. */
 
 #define BUCKET_BITS 12
+#define MIN_BLOCK 64 /* entries (or blocks of the level below) under one block minimum */
+#define MIN_LEVELS 3 /* blocks of 64, 4096 and 262144 entries */
 
 typedef struct {
     PyObject_HEAD
@@ -288,13 +290,50 @@ typedef struct {
      * (the whole token when bucket_bits == bits), or NULL */
     uint32_t *bucket;
     int bucket_bits;
+    /* mins[l] (nmins[l] entries): the smallest sa of each block of MIN_BLOCK**(l + 1) entries, so that the most
+     * recent occurrences of a large range are found without reading all of it (range_most_recent) */
+    int32_t *mins[MIN_LEVELS];
+    Py_ssize_t nmins[MIN_LEVELS];
+    int levels;
 } IndexObject;
 
 static void index_dealloc(IndexObject *self) {
     PyMem_Free(self->bucket);
+    for (int l = 0; l < MIN_LEVELS; l++) PyMem_Free(self->mins[l]);
     if (self->held & 1) PyBuffer_Release(&self->keys_view);
     if (self->held & 2) PyBuffer_Release(&self->sa_view);
     Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The block minima of the suffix array (see IndexObject.mins): one pass over it, then over each level; -1 on
+ * error. Levels whose blocks would not fit in the array are left out. */
+static int index_block_mins(IndexObject *self) {
+    Py_ssize_t below = self->n;
+    for (int l = 0; l < MIN_LEVELS && below >= 2 * MIN_BLOCK; l++) {
+        Py_ssize_t cnt = (below + MIN_BLOCK - 1) / MIN_BLOCK;
+        self->mins[l] = PyMem_Malloc((size_t)cnt * sizeof(int32_t));
+        if (self->mins[l] == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->nmins[l] = cnt;
+        self->levels = l + 1;
+        below = cnt;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int l = 0; l < self->levels; l++) {
+        const int32_t *src = l ? self->mins[l - 1] : self->sa;
+        Py_ssize_t len = l ? self->nmins[l - 1] : self->n;
+        int32_t *dst = self->mins[l];
+        for (Py_ssize_t b = 0; b < self->nmins[l]; b++) {
+            Py_ssize_t i = b * MIN_BLOCK, e = i + MIN_BLOCK < len ? i + MIN_BLOCK : len;
+            int32_t v = src[i];
+            for (i++; i < e; i++) v = src[i] < v ? src[i] : v;
+            dst[b] = v;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return 0;
 }
 
 static int index_init(IndexObject *self, PyObject *args, PyObject *kwds) {
@@ -375,6 +414,7 @@ static int index_init(IndexObject *self, PyObject *args, PyObject *kwds) {
             return -1;
         }
         self->bucket_bits = bb;
+        if (index_block_mins(self) < 0) return -1;
     }
     self->ready = 1;
     return 0;
@@ -383,6 +423,7 @@ static int index_init(IndexObject *self, PyObject *args, PyObject *kwds) {
 static PyObject *index_nbytes(IndexObject *self, void *closure) {
     Py_ssize_t b = 0;
     if (self->bucket) b += (((Py_ssize_t)1 << self->bucket_bits) + 1) * (Py_ssize_t)sizeof(uint32_t);
+    for (int l = 0; l < self->levels; l++) b += self->nmins[l] * (Py_ssize_t)sizeof(int32_t);
     return PyLong_FromSsize_t(b);
 }
 
@@ -397,8 +438,9 @@ static PyTypeObject IndexType = {
     .tp_basicsize = sizeof(IndexObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = PyDoc_STR("Index(keys, sa, start, end, bits, tokens_per_key): a suffix index's arrays held "
-                        "for native matching (keeps them alive). Beyond them it holds only a table of "
-                        "at most 2**12 + 1 uint32 bucket offsets (see nbytes)."),
+                        "for native matching (keeps them alive). Beyond them it holds a table of at most "
+                        "2**12 + 1 uint32 bucket offsets and the suffix array's block minima (1/63 of "
+                        "its size; see nbytes)."),
     .tp_getset = index_getset,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)index_init,
@@ -724,6 +766,22 @@ static void bounds_lockstep(const uint64_t *keys, Py_ssize_t lo, Py_ssize_t hi, 
     }
 }
 
+/* The first entry i in [lo, hi) whose reversed suffix holds at least ``t`` at offset j, where every entry of the
+ * range holds the same j tokens before it (so the suffix array orders them by that one): a binary search that reads
+ * the ring buffer, which holds every indexed position while the index is not stale. A suffix that ends before offset
+ * j (the snapshot's first document) or holds a separator there sorts before every token. */
+static Py_ssize_t column_bound(const IndexObject *ix, const Ring *r, Py_ssize_t lo, Py_ssize_t hi, int64_t j,
+                               int64_t t) {
+    int64_t top = ix->end - 1 - j;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        int64_t pos = top - ix->sa[mid];
+        int64_t v = pos < ix->start ? -1 : r->d[ring_slot(r, pos)];
+        if (v < t) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
 /* SuffixIndex.match. ctx holds clen >= 1 tokens, all in [0, INT32_MAX]; max_match, max_candidates >= 1.
  * The occurrences may stay a lazy suffix-array range (see Seg). */
 static int index_core(IndexObject *ix, const int64_t *ctx, Py_ssize_t clen, int64_t max_match, const Ring *r,
@@ -770,8 +828,32 @@ static int index_core(IndexObject *ix, const int64_t *ctx, Py_ssize_t clen, int6
     if (m == 0) return 0;
     int64_t top = ix->end - 1;
     const int32_t *sa = ix->sa;
+    int stale = oldest > ix->start;
     if (m == k && limit > k) {
-        Py_ssize_t lo = los[m - 1], hi = his[m - 1], size = hi - lo, step = 1;
+        Py_ssize_t lo = los[m - 1], hi = his[m - 1];
+        if (!stale) { /* narrowed exactly, whatever the range's size, then extended one by one (or left lazy) */
+            for (; m < limit && hi - lo > max_candidates; m++) {
+                int64_t t = ctx[m];
+                Py_ssize_t a = column_bound(ix, r, lo, hi, m, t), b = column_bound(ix, r, a, hi, m, t + 1);
+                if (a == b) break;
+                lo = a;
+                hi = b;
+                out->counts[m] = b - a;
+            }
+            if (hi - lo > max_candidates || m == limit) {
+                out->m = out->ncounts = m;
+                out->lazy = 1;
+                out->ix = ix;
+                out->lo = lo;
+                out->hi = hi;
+                out->filtered = 0;
+                out->mapped = 0;
+                out->thr = INT32_MAX;
+                out->nlive = hi - lo;
+                return 0;
+            }
+        }
+        Py_ssize_t size = hi - lo, step = 1;
         if (size > max_candidates) step = (Py_ssize_t)((size + max_candidates - 1) / max_candidates);
         Py_ssize_t cnt = (size + step - 1) / step;
         if (vec_reserve(&out->ends, cnt) < 0) return -1;
@@ -791,7 +873,6 @@ static int index_core(IndexObject *ix, const int64_t *ctx, Py_ssize_t clen, int6
      * start + held - 1 (sa <= n - held); once the ring has overwritten positions below oldest > start,
      * those ending below oldest + held - 1 (sa > thr) are (partly) gone, and the longest match still
      * held may be shorter. */
-    int stale = oldest > ix->start;
     for (int64_t held = m; held > 0; held--) {
         Py_ssize_t a = los[held - 1], b = his[held - 1];
         int64_t over = oldest + (held - 1) - ix->start; /* occurrences ending at start + [0, over) drop */
@@ -1074,17 +1155,125 @@ done:
     return res;
 }
 
-/* The most recent ``keep`` of an evenly spaced sample of at most max_examined of the concatenated
- * occurrences, newest first, into out (room for min(keep, sample) entries); -1 on error. */
-static int64_t pick_recent(const Seg *const *segs, int nsegs, Py_ssize_t total, int64_t max_examined,
-                           int64_t keep, int64_t *out, Vec *sample) {
-    Py_ssize_t step = total > max_examined ? (Py_ssize_t)((total + max_examined - 1) / max_examined) : 1;
-    Py_ssize_t base = 0; /* index of a segment's first entry in the concatenation */
+/* Value of a piece of a suffix-array range: (index << 2) | level, an entry at level 0, a block minimum above. */
+static inline int32_t piece_value(const IndexObject *ix, int64_t piece) {
+    int level = (int)(piece & 3);
+    Py_ssize_t i = (Py_ssize_t)(piece >> 2);
+    return level ? ix->mins[level - 1][i] : ix->sa[i];
+}
+
+/* Keeps in p[0, n) the ``keep`` pieces of smallest value (all when n <= keep; values are distinct, each an
+ * entry of the suffix array); returns how many are kept. */
+static Py_ssize_t keep_smallest(const IndexObject *ix, int64_t *p, Py_ssize_t n, int64_t keep, int32_t *heap) {
+    if (n <= keep) return n;
+    Py_ssize_t h = 0; /* max-heap of the keep smallest values seen */
+    for (Py_ssize_t g = 0; g < n; g++) {
+        int32_t v = piece_value(ix, p[g]);
+        if (h < keep) {
+            Py_ssize_t i = h++;
+            while (i > 0 && heap[(i - 1) / 2] < v) {
+                heap[i] = heap[(i - 1) / 2];
+                i = (i - 1) / 2;
+            }
+            heap[i] = v;
+        } else if (v < heap[0]) {
+            Py_ssize_t i = 0;
+            for (;;) {
+                Py_ssize_t c = 2 * i + 1;
+                if (c >= h) break;
+                if (c + 1 < h && heap[c + 1] > heap[c]) c++;
+                if (heap[c] <= v) break;
+                heap[i] = heap[c];
+                i = c;
+            }
+            heap[i] = v;
+        }
+    }
+    Py_ssize_t w = 0;
+    for (Py_ssize_t g = 0; g < n; g++)
+        if (piece_value(ix, p[g]) <= heap[0]) p[w++] = p[g];
+    return w;
+}
+
+/* Appends to out the positions of the ``keep`` most recent occurrences (the smallest sa) of the suffix-array range
+ * [lo, hi) that are held (sa <= thr), exactly as a pass over the whole range would find them, reading only the
+ * block minima that cover it and the blocks that can hold them: the range is cut into whole blocks of each level,
+ * the ``keep`` pieces of smallest minimum are kept (no other can hold one of the ``keep`` smallest entries) and
+ * opened into the level below, down to the entries. -1 on error. */
+static int range_most_recent(const IndexObject *ix, Py_ssize_t lo, Py_ssize_t hi, int32_t thr, int64_t keep,
+                             Vec *out, Vec *work) {
+    Py_ssize_t a = lo, b = hi;
+    int level = 0;
+    work->n = 0;
+    while (a < b) {
+        Py_ssize_t na = (a + MIN_BLOCK - 1) / MIN_BLOCK * MIN_BLOCK, nb = b / MIN_BLOCK * MIN_BLOCK;
+        int last = level == ix->levels || na >= nb;
+        Py_ssize_t cut_a = last ? b : na;
+        if (vec_reserve(work, work->n + (cut_a - a) + (last ? 0 : b - nb)) < 0) return -1;
+        for (Py_ssize_t i = a; i < cut_a; i++) work->v[work->n++] = ((int64_t)i << 2) | level;
+        if (last) break;
+        for (Py_ssize_t i = nb; i < b; i++) work->v[work->n++] = ((int64_t)i << 2) | level;
+        a = na / MIN_BLOCK;
+        b = nb / MIN_BLOCK;
+        level++;
+    }
+    int32_t heap_stack[256];
+    int32_t *heap = keep <= 256 ? heap_stack : PyMem_Malloc((size_t)keep * sizeof(int32_t));
+    if (heap == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int rc = 0;
+    for (;;) {
+        Py_ssize_t n = keep_smallest(ix, work->v, work->n, keep, heap), opened = 0;
+        work->n = n;
+        for (Py_ssize_t g = 0; g < n; g++) opened += (work->v[g] & 3) ? MIN_BLOCK : 1;
+        if (opened == n) break; /* entries only */
+        if (vec_reserve(work, n + opened) < 0) {
+            rc = -1;
+            break;
+        }
+        int64_t *p = work->v;
+        Py_ssize_t w = n;
+        for (Py_ssize_t g = 0; g < n; g++) {
+            int l = (int)(p[g] & 3);
+            Py_ssize_t i = (Py_ssize_t)(p[g] >> 2);
+            if (!l) {
+                p[w++] = p[g];
+                continue;
+            }
+            Py_ssize_t below = l > 1 ? ix->nmins[l - 2] : ix->n, c = i * MIN_BLOCK;
+            Py_ssize_t e = c + MIN_BLOCK < below ? c + MIN_BLOCK : below;
+            for (; c < e; c++) p[w++] = ((int64_t)c << 2) | (l - 1);
+        }
+        memmove(p, p + n, (size_t)(w - n) * sizeof(int64_t));
+        work->n = w - n;
+    }
+    if (heap != heap_stack) PyMem_Free(heap);
+    if (rc < 0) return -1;
+    if (vec_reserve(out, out->n + work->n) < 0) return -1;
+    int64_t top = ix->end - 1;
+    for (Py_ssize_t g = 0; g < work->n; g++) {
+        int32_t v = ix->sa[work->v[g] >> 2];
+        if (v <= thr) out->v[out->n++] = top - (int64_t)v;
+    }
+    return 0;
+}
+
+/* The most recent ``keep`` occurrences of the segments', newest first, into out (room for min(keep, total)
+ * entries); -1 on error. A lazy range of more than ``max_examined`` entries is searched through its index's block
+ * minima, the others are read whole: the same occurrences either way, whatever the split between the indexes. */
+static int64_t pick_recent(const Seg *const *segs, int nsegs, int64_t max_examined, int64_t keep, int64_t *out,
+                           Vec *sample, Vec *work) {
     sample->n = 0;
     for (int i = 0; i < nsegs; i++) {
-        Py_ssize_t first = (step - base % step) % step;
-        if (seg_sample(segs[i], first, step, sample) < 0) return -1;
-        base += seg_len(segs[i]);
+        const Seg *s = segs[i];
+        if (s->lazy && s->ix->levels && s->hi - s->lo > max_examined) {
+            if (range_most_recent(s->ix, s->lo, s->hi, s->filtered ? s->thr : INT32_MAX, keep, sample, work) < 0)
+                return -1;
+        } else if (seg_sample(s, 0, 1, sample) < 0) {
+            return -1;
+        }
     }
     int64_t n = 0; /* out[0..n) is a min-heap while collecting */
     for (Py_ssize_t g = 0; g < sample->n; g++) {
@@ -1370,7 +1559,7 @@ typedef struct {
 
 /* Working memory of lookups, kept between calls so that a run of lookups allocates nothing. */
 typedef struct {
-    Vec lens, picked, sample;
+    Vec lens, picked, sample, work;
     Seg segs[3];           /* tail, delta, main */
     int64_t *mem;          /* context (reversed; then the summed counts), then counts per source */
     Py_ssize_t memcap;
@@ -1382,6 +1571,7 @@ static void lookup_clear(Lookup *L) {
     vec_free(&L->lens);
     vec_free(&L->picked);
     vec_free(&L->sample);
+    vec_free(&L->work);
     for (int i = 0; i < 3; i++) seg_free(&L->segs[i]);
     PyMem_Free(L->mem);
     PyMem_Free(L->rows);
@@ -1477,10 +1667,9 @@ static int store_core(Lookup *L, Py_ssize_t clen, const Ring *r, int64_t oldest,
             n_ends += seg_len(&segs[i]);
         }
     }
-    int64_t keep = max_occ < max_exam ? max_occ : max_exam;
-    if (keep > n_ends) keep = n_ends;
+    int64_t keep = max_occ < n_ends ? max_occ : n_ends;
     if (vec_reserve(&L->picked, keep ? keep : 1) < 0) return -1;
-    int64_t k = pick_recent(longest, nl, n_ends, max_exam, max_occ, L->picked.v, &L->sample);
+    int64_t k = pick_recent(longest, nl, max_exam, max_occ, L->picked.v, &L->sample, &L->work);
     if (k < 0) return -1;
     return lookup_rows(L, m, sum, r, L->picked.v, (Py_ssize_t)k, depth, stop, out);
 }

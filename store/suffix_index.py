@@ -149,8 +149,11 @@ class SuffixIndex:
             ring_data: (capacity,) int32 the ring buffer's slots, read for matches longer than a key.
             oldest: absolute position of the oldest token still in the ring buffer.
             max_match: longest match length considered.
-            max_candidates: occurrences of a full key examined for longer matches; beyond it an evenly
-                spaced sample is examined, so counts past the key length become estimates.
+            max_candidates: occurrences of a full key extended one by one for longer matches. More are
+                narrowed exactly (a binary search per token over the suffix array, reading the ring buffer)
+                until at most this many are left; only on an index the ring has partly overwritten (stale),
+                where that order cannot be read back, is an evenly spaced sample extended instead, and counts
+                past the key length become estimates.
 
         Returns:
             (m, counts, ends): the longest match length m (0 if none), counts[i] = occurrences of the last
@@ -187,7 +190,7 @@ class SuffixIndex:
         counts = counts[:m]
         if m == k and limit > k:
             ends = self.forward_position(self._sa[lo[m - 1]:hi[m - 1]])
-            if ends.size > max_candidates:
+            if ends.size > max_candidates and self.start < oldest:
                 ends = ends[::-(-ends.size // max_candidates)]
             longer, more, ends = extend_matches(ring_data, ends, context_rev, m, limit, oldest)
             if longer:

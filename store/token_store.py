@@ -120,7 +120,7 @@ class TokenStore:
     """
 
     def __init__(self, capacity: int = 32 * 1024 * 1024, tail_tokens: int = 8192,
-                 delta_fraction: float = 0.25, max_candidates: int = 4096, max_examined: int = 65536,
+                 delta_fraction: float = 0.25, max_candidates: int = 4096, max_examined: int = 16384,
                  tail_window: int = TAIL_WINDOW) -> None:
         """Create an empty store.
 
@@ -129,11 +129,12 @@ class TokenStore:
             tail_tokens: unindexed tokens tolerated before the delta index is rebuilt.
             delta_fraction: the main index is rebuilt when what it misses (tokens after it) plus what it
                 still lists but the ring overwrote exceeds this share of it.
-            max_candidates: occurrences per index examined when extending a match past one key.
-            max_examined: occurrences of the longest match gathered before picking the most recent. Up to it
-                the pick is the most recent of all of them, whatever the split between the main and the delta
-                index (a store restored from an index file drafts as one rebuilt); beyond it, of an evenly spaced
-                sample, which depends on that split.
+            max_candidates: occurrences of a key an index extends one by one for a longer match; more are first
+                narrowed exactly by binary search (see ``SuffixIndex.match``).
+            max_examined: occurrences of the longest match an index reads one by one to pick the most recent;
+                of more, the most recent are found through the index's block minima. The pick is the same either
+                way (the most recent of all occurrences, whatever the split between the main and the delta
+                index: a store restored from an index file drafts as one rebuilt); this only trades reads.
             tail_window: most unindexed tokens (the newest) a lookup searches.
         """
         if tail_window < 1:
@@ -312,8 +313,6 @@ class TokenStore:
             if fm == m:
                 ends_all.append(fe)
         ends = np.concatenate(ends_all) if len(ends_all) > 1 else ends_all[0]
-        if ends.size > self.max_examined:
-            ends = ends[::-(-ends.size // self.max_examined)]
         if ends.size > max_occurrences:
             ends = ends[np.argpartition(-ends, max_occurrences - 1)[:max_occurrences]]
         ends = np.sort(ends)[::-1]

@@ -42,7 +42,7 @@ class DrafterConfig:
 
     vocab_size: int = 1 << 20
     capacity: int = field(default=32 * 1024 * 1024, metadata=setting(
-        "--capacity", "ring buffer size in tokens, per namespace (16 bytes per token with its index)", DRAFTING))
+        "--capacity", "ring buffer size in tokens, per namespace (16.1 bytes per token with its index)", DRAFTING))
     tail_tokens: int = 8192
     max_match: int = 32
     max_occurrences: int = 32

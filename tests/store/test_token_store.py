@@ -405,3 +405,40 @@ def test_a_main_and_a_delta_index_find_what_one_index_over_the_same_tokens_finds
         assert a.match_len == b.match_len > 0
         np.testing.assert_array_equal(a.counts, b.counts)
         np.testing.assert_array_equal(a.rows, b.rows)
+
+
+@pytest.mark.parametrize("max_candidates, max_examined", [(8, 16), (1, 1), (4096, 65536)])
+def test_split_and_one_index_agree_where_keys_and_matches_have_more_occurrences_than_are_read(
+        max_candidates: int, max_examined: int) -> None:
+    """Near-copies of one document give keys far more occurrences than ``max_candidates`` and longest matches far
+    more than ``max_examined``: a match is still extended over all of them and the most recent are picked from all
+    of them, so a main and a delta index (a store restored from an index file) look up exactly as one rebuilt index,
+    and as the numpy reference does."""
+    rng = np.random.default_rng(11)
+    base = rng.integers(0, 40, 300)
+    docs = []
+    for _ in range(500):
+        doc = base.copy()
+        doc[rng.integers(0, 300, 6)] = rng.integers(0, 40, 6)
+        docs.append(doc.astype(np.int32))
+    kwargs = {"capacity": 1 << 18, "max_candidates": max_candidates, "max_examined": max_examined}
+    split, one = TokenStore(**kwargs), TokenStore(**kwargs)
+    for i, doc in enumerate(docs):
+        split.append(doc)
+        one.append(doc)
+        if i == 349:
+            split.rebuild("main")
+    split.rebuild("delta")
+    one.rebuild("main")
+    longest = []
+    for _ in range(150):
+        doc = docs[rng.integers(0, len(docs))]
+        end = int(rng.integers(1, 300))
+        context = np.concatenate([rng.integers(0, 40, int(rng.integers(0, 3))), doc[max(0, end - 40):end]])
+        a, b = split.lookup(context, max_match=32), one.lookup(context, max_match=32)
+        for got in (a, b, split.lookup_numpy(context, max_match=32)):
+            assert got.match_len == b.match_len
+            np.testing.assert_array_equal(got.counts, b.counts)
+            np.testing.assert_array_equal(got.rows, b.rows)
+        longest.append(int(b.counts[-1]) if b.match_len else 0)
+    assert max(longest) > 16  # the longest matches do have more occurrences than are read one by one
