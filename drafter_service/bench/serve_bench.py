@@ -340,7 +340,7 @@ def _measure(svc: ServiceProcess, args: argparse.Namespace, held: list[Request],
             prompt = req.prompt.tolist() + req.output[:5].tolist()
             stub.StartSession(pb.StartSessionRequest(session_id=sid, prompt=prompt))
             reply = stub.Draft(pb.DraftRequest(session_id=sid, max_nodes=args.budget))
-            out.append((tuple(reply.token_ids), tuple(reply.parents), tuple(reply.probs)))
+            out.append((tuple(reply.token_ids), tuple(reply.parents), tuple(reply.probs), tuple(reply.sources)))
         return out
 
     print(f"restart after SIGKILL of the service and its Redis, {stats.stored_tokens:,} tokens "
@@ -355,16 +355,16 @@ def _measure(svc: ServiceProcess, args: argparse.Namespace, held: list[Request],
     same_trees = sum(a[:2] == b[:2] for a, b in pairs)  # token ids and parents: probabilities aside
     print(f"  drafts of {len(pairs)} probe sessions equal after both restarts: {same} of {len(pairs)} "
           f"(the same tokens and shape: {same_trees})")
-    for i, (a, b) in enumerate(pairs):
-        if a != b:
-            print(f"    first that differs, probe {i}: with the file {_tree_head(a)}; rebuilt {_tree_head(b)}")
-            break
+    differ = [i for i, (a, b) in enumerate(pairs) if a != b]
+    for i in differ[:3]:
+        print(f"    probe {i} differs: with the file {_tree_head(pairs[i][0])}; rebuilt {_tree_head(pairs[i][1])}")
 
 
 def _tree_head(tree: tuple) -> str:
-    """A probe's tree in brief: its size, first tokens and first probabilities."""
-    tokens, _, probs = tree
-    return f"{len(tokens)} nodes, tokens {list(tokens[:8])}, probs {[round(p, 3) for p in probs[:4]]}"
+    """A probe's tree in brief: its size, first tokens, first probabilities and the sources of its first nodes."""
+    tokens, _, probs, sources = tree
+    names = [pb.Source.Name(s).removeprefix("SOURCE_").lower() for s in sources[:8]]
+    return f"{len(tokens)} nodes, tokens {list(tokens[:8])}, probs {[round(p, 3) for p in probs[:4]]}, sources {names}"
 
 
 def _index_current(svc: ServiceProcess, stub: pb_grpc.DrafterStub, timeout: float) -> tuple[float, str]:
