@@ -25,6 +25,7 @@ import numpy as np
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from drafter_service.datasets.loaders import Request
+from store.match_kernels import TAIL_WINDOW
 
 SLOW_MS = 100.0
 """A Draft slower than this is counted apart."""
@@ -156,16 +157,34 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
 
 
-def index_file_documents(data_dir: Path) -> int:
-    """The requests the default namespace's index file holds, by its header (no checksum: a quick look while the
-    service may be writing a new one); 0 when there is none yet."""
+@dataclass(frozen=True)
+class FileCoverage:
+    """What the default namespace's index file holds, by its header: requests, and the ring positions one past its
+    tokens and one past what its indexes cover."""
+
+    documents: int = 0
+    tokens_end: int = 0
+    indexed_end: int = 0
+
+    @property
+    def unindexed(self) -> int:
+        """Tokens the file holds that its indexes do not cover (a restart from it indexes them first)."""
+        return max(0, self.tokens_end - self.indexed_end)
+
+
+def index_file_coverage(data_dir: Path) -> FileCoverage:
+    """The default namespace's index file's coverage, by its header (no checksum: a quick look while the service may
+    be writing a new one); all zero when there is none yet."""
     path = data_dir / "index" / "default.index"
     try:
         with open(path, "rb") as f:
             _, _, length = struct.unpack("<8sII", f.read(16))
-            return int(json.loads(f.read(length))["documents"])
-    except (OSError, ValueError, KeyError, struct.error):
-        return 0
+            doc = json.loads(f.read(length))
+        shapes = {a["name"]: int(a["shape"][0]) for a in doc["arrays"]}
+        return FileCoverage(int(doc["documents"]), int(doc["ring_start"]) + shapes["tokens"],
+                            int(doc["index_start"]) + shapes["sa"] + shapes.get("delta_sa", 0))
+    except (OSError, ValueError, KeyError, IndexError, TypeError, struct.error):
+        return FileCoverage()
 
 
 def redis_children(pid: int) -> list[int]:
@@ -197,11 +216,12 @@ def kill_with_redis(svc: Service) -> None:
 
 @dataclass
 class Restart:
-    """One restart after SIGKILL: seconds to SERVING and to the first draft from the first request stored, and
-    what the logs say the parts took."""
+    """One restart after SIGKILL: seconds to SERVING, to the first draft from the first request stored and until
+    lookups search every stored token, and what the logs say the parts took."""
 
     serving_s: float
     drafted_s: float
+    searched_s: float  # every stored token searched by lookups (at most TAIL_WINDOW of them not yet indexed)
     redis_load_s: float | None
     restore_s: float | None
     index_read_s: float | None
@@ -212,8 +232,8 @@ class Restart:
                  f"namespaces restored in {self.restore_s:.1f} s" if self.restore_s is not None else "",
                  f"index file read and verified in {self.index_read_s:.2f} s" if self.index_read_s is not None
                  else ""]
-        return (f"SERVING in {self.serving_s:.1f} s, a draft from the first request stored at {self.drafted_s:.1f} s"
-                f" ({'; '.join(p for p in parts if p)})")
+        return (f"SERVING in {self.serving_s:.1f} s, a draft from the first request stored at {self.drafted_s:.1f} s,"
+                f" every stored token searched at {self.searched_s:.1f} s ({'; '.join(p for p in parts if p)})")
 
 
 def restart(svc: Service, with_file: bool, probe: Callable[[pb_grpc.DrafterStub, str], list[tuple]]) -> Restart:
@@ -236,10 +256,17 @@ def restart(svc: Service, with_file: bool, probe: Callable[[pb_grpc.DrafterStub,
                 raise TimeoutError("no draft from the first request stored within 300 s of the restart")
             time.sleep(0.05)
         drafted = time.monotonic() - t0
+        # tokens stored after the indexes are searched only as far as the newest TAIL_WINDOW of them until indexed
+        while stub.GetStats(pb.GetStatsRequest()).unindexed_tokens > TAIL_WINDOW:
+            if time.monotonic() - t0 > 900:
+                raise TimeoutError("the stored tokens were not indexed within 900 s of the restart")
+            time.sleep(0.1)
+        searched = time.monotonic() - t0
         drafts = probe(stub, tag)
     said = serve_log.read_text(errors="replace")
     loaded = redis_log.read_text(errors="replace")[redis_mark:] if redis_log.exists() else ""
-    return Restart(serving, drafted, log_seconds(loaded, r"DB loaded from append only file: ([\d.]+) seconds"),
+    return Restart(serving, drafted, searched,
+                   log_seconds(loaded, r"DB loaded from append only file: ([\d.]+) seconds"),
                    log_seconds(said, r"restored \{.*\} in ([\d.]+) s"),
                    log_seconds(said, r"read and verified in ([\d.]+) s") if with_file else None, drafts)
 

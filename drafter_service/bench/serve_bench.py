@@ -27,7 +27,7 @@ from drafter_service.bench.restart_bench import (
     Prober,
     figures,
     folder_bytes,
-    index_file_documents,
+    index_file_coverage,
     log_seconds,
     restart,
     store_marker,
@@ -368,19 +368,22 @@ def _tree_head(tree: tuple) -> str:
 
 
 def _index_current(svc: ServiceProcess, stub: pb_grpc.DrafterStub, timeout: float) -> tuple[float, str]:
-    """Wait until nothing is left to index, then until the index file holds every stored request or has not
-    changed for 10 s (it is written again only once the indexes outgrow it by a sixteenth); returns the time and
-    how much of the log the file holds."""
+    """Wait until nothing is left to index, then until the index file holds every stored request, all of them
+    indexed, or has not changed for 60 s (after a delta rebuild it is written again only once the indexes outgrow it
+    by a sixteenth, and at most a tenth of the time); returns the time and what the file holds."""
     wait_for("indexing", lambda: _quiet(stub), timeout)
     stored = stub.GetStats(pb.GetStatsRequest()).stored_requests
     path = svc.data_dir / "index" / "default.index"
     seen: list[float] = []
 
     def settled() -> bool:
-        if index_file_documents(svc.data_dir) >= stored:
+        held = index_file_coverage(svc.data_dir)
+        if held.documents >= stored and held.unindexed == 0:
             return True
         mtime = path.stat().st_mtime if path.exists() else 0.0
         seen.append(mtime)
-        return len(seen) > 20 and seen[-21] == mtime
+        return len(seen) > 120 and seen[-121] == mtime
     wait_for("index file", settled, timeout)
-    return time.monotonic(), f"the index file holds {index_file_documents(svc.data_dir):,} of {stored:,} requests"
+    held = index_file_coverage(svc.data_dir)
+    return time.monotonic(), (f"the index file holds {held.documents:,} of {stored:,} requests, "
+                              f"{held.unindexed:,} of its tokens not indexed")
