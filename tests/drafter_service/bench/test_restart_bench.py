@@ -1,15 +1,19 @@
-"""The Draft prober of `drafter bench serve`: a process of its own, timing every call against a real service."""
+"""The Draft prober of `drafter bench serve` (a process of its own, timing every call against a real service), and
+its look at what an index file covers."""
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
-from drafter_service.bench.restart_bench import Prober
+from drafter_service.bench.restart_bench import FileCoverage, Prober, index_file_coverage
 from drafter_service.core.config import DrafterConfig
 from drafter_service.datasets.request_files import Request
 from drafter_service.rpc.server import create_server
 from drafter_service.service.config import ServiceConfig
+from store.index_file import IndexFileHeader, store_arrays, write_index_file
+from store.token_store import TokenStore
 
 VOCAB = 1000
 
@@ -33,3 +37,20 @@ def test_the_prober_times_draft_calls_from_its_own_process_until_stopped():
         assert len(times.ms) == len(times.started) and all(0 < m < 5000 for m in times.ms)
     finally:
         server.stop(0)
+
+
+def test_the_index_file_coverage_counts_the_requests_and_the_tokens_its_indexes_miss(tmp_path: Path):
+    assert index_file_coverage(tmp_path) == FileCoverage()  # no file yet
+    store = TokenStore(capacity=1 << 12)
+    for i in range(5):
+        store.append(np.arange(10, dtype=np.int32) + i)
+    store.rebuild("main")
+    for i in range(3):  # stored after the index: 3 documents of 7 tokens and their separators
+        store.append(np.arange(7, dtype=np.int32) + i)
+    saved = store.saved()
+    assert saved is not None
+    (tmp_path / "index").mkdir()
+    write_index_file(tmp_path / "index" / "default.index", IndexFileHeader.of(saved, "default", VOCAB, 1 << 12),
+                     store_arrays(saved))
+    held = index_file_coverage(tmp_path)
+    assert (held.documents, held.tokens_end, held.unindexed) == (8, 5 * 11 + 3 * 8, 3 * 8)
