@@ -36,18 +36,28 @@ class LoopServer:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    def start(self, build: Callable[[], grpc.aio.Server]) -> None:
-        """Build the server on the loop (``build`` runs there, as ``grpc.aio.server`` requires) and start it.
+    def start(self, build: Callable[[], grpc.aio.Server], listen: Callable[[grpc.aio.Server], None]) -> None:
+        """Build the server on the loop (``build`` runs there, as ``grpc.aio.server`` requires), let ``listen`` add
+        its ports, and start it.
 
         Raises:
-            whatever ``build`` or the start raise; the loop is stopped then.
+            whatever ``build``, ``listen`` or the start raise; a server ``listen`` failed on is stopped, and the loop
+            is stopped then.
         """
         async def start() -> None:
-            self.server = build()
-            await self.server.start()
+            server = build()
+            try:
+                listen(server)
+            except BaseException:
+                await server.stop(None)
+                raise
+            self.server = server
+            await server.start()
         try:
             asyncio.run_coroutine_threadsafe(start(), self.loop).result()
         except BaseException:
+            with self._lock:
+                self._stopping = True  # a later stop() answers the event set here
             self._close()
             raise
 

@@ -69,6 +69,9 @@ def create_server(config: ServiceConfig, address: str | None = None,
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server)
+        return server
+
+    def listen(server: grpc.aio.Server) -> None:
         try:
             port = (server.add_secure_port(target, credentials) if credentials is not None
                     else server.add_insecure_port(target))
@@ -77,9 +80,8 @@ def create_server(config: ServiceConfig, address: str | None = None,
         if port == 0:
             raise OSError(f"cannot listen on {target}")
         bound.append(port)
-        return server
 
-    runner.start(build)
+    runner.start(build, listen)
     for name in ("", SERVICE_NAME, PERSISTENCE_HEALTH):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     logger.info("listening on port %d", bound[0])
