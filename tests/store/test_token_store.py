@@ -384,6 +384,20 @@ def test_full_ring_rebuilds_the_small_index_until_much_of_the_main_one_is_overwr
     store.check_invariants()
 
 
+def split_and_one_index(docs: list[np.ndarray], main_docs: int, **kwargs: int) -> tuple[TokenStore, TokenStore]:
+    """Two stores of ``docs``: one with a main index over the first ``main_docs`` and a delta over the rest (as a
+    store restored from an index file may be), one with a single index over everything."""
+    split, one = TokenStore(**kwargs), TokenStore(**kwargs)
+    for i, doc in enumerate(docs):
+        split.append(doc)
+        one.append(doc)
+        if i == main_docs - 1:
+            split.rebuild("main")
+    split.rebuild("delta")
+    one.rebuild("main")
+    return split, one
+
+
 def test_a_main_and_a_delta_index_find_what_one_index_over_the_same_tokens_finds() -> None:
     """A store restarted from an index file (a main and a delta index) drafts as one rebuilt over everything: with
     thousands of occurrences of a context, the most recent ones are picked from all of them, not from a sample
@@ -391,14 +405,7 @@ def test_a_main_and_a_delta_index_find_what_one_index_over_the_same_tokens_finds
     rng = np.random.default_rng(7)
     docs = [np.concatenate([[5, 6, 7], rng.integers(10, 60, 6), rng.integers(100, 2000, 20)]).astype(np.int32)
             for _ in range(6000)]
-    split, one = TokenStore(capacity=1 << 20), TokenStore(capacity=1 << 20)
-    for i, doc in enumerate(docs):
-        split.append(doc)
-        one.append(doc)
-        if i == 3999:
-            split.rebuild("main")
-    split.rebuild("delta")
-    one.rebuild("main")
+    split, one = split_and_one_index(docs, 4000, capacity=1 << 20)
     assert split.stats()["indexed_tokens"] == one.stats()["indexed_tokens"] == len(one.ring)  # all, separators too
     for context in ([5, 6, 7], [6, 7], [1, 5, 6, 7, 12], [7]):
         a, b = split.lookup(context), one.lookup(context)
@@ -421,15 +428,8 @@ def test_split_and_one_index_agree_where_keys_and_matches_have_more_occurrences_
         doc = base.copy()
         doc[rng.integers(0, 300, 6)] = rng.integers(0, 40, 6)
         docs.append(doc.astype(np.int32))
-    kwargs = {"capacity": 1 << 18, "max_candidates": max_candidates, "max_examined": max_examined}
-    split, one = TokenStore(**kwargs), TokenStore(**kwargs)
-    for i, doc in enumerate(docs):
-        split.append(doc)
-        one.append(doc)
-        if i == 349:
-            split.rebuild("main")
-    split.rebuild("delta")
-    one.rebuild("main")
+    split, one = split_and_one_index(docs, 350, capacity=1 << 18, max_candidates=max_candidates,
+                                     max_examined=max_examined)
     longest = []
     for _ in range(150):
         doc = docs[rng.integers(0, len(docs))]
