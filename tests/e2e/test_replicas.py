@@ -32,9 +32,21 @@ DELAY_S = 2.0  # the bound asserted on propagation between replicas
 # -- helpers --------------------------------------------------------------------------------------------
 
 
+_FOLDERS: list[Path] = []
+"""The running test's temporary folder (``replica_folders``), under which each replica gets its data folder."""
+
+
+@pytest.fixture(autouse=True)
+def replica_folders(tmp_path: Path):
+    """Replicas' data folders go under the test's ``tmp_path``, which pytest cleans up."""
+    _FOLDERS[:] = [tmp_path]
+    yield
+    _FOLDERS.clear()
+
+
 def start_runtime(redis_url: str, **overrides) -> Runtime:
     """A replica in this process, with a data folder of its own (as on a machine of its own)."""
-    overrides.setdefault("data_dir", tempfile.mkdtemp(prefix="drafter-replica-"))
+    overrides.setdefault("data_dir", tempfile.mkdtemp(prefix="replica-", dir=_FOLDERS[0]))
     cfg = ServiceConfig(address="127.0.0.1:0", redis_url=redis_url, http_address="", default_vocab_size=VOCAB,
                         drafter=DrafterConfig(capacity=1 << 18), rebuild_in_subprocess=False,
                         rebuild_interval_s=3600, snapshot_interval_s=3600, metrics_interval_s=3600,
