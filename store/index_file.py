@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Mapping
@@ -224,17 +225,92 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def read_index_file(path: Path | str, namespace: str, vocab_size: int, capacity: int) -> IndexFile:
+def read_index_file(path: Path | str, namespace: str, vocab_size: int, capacity: int,
+                    checked: ChecksumAhead | None = None) -> IndexFile:
     """Map an index file, verify its checksum and check that it was made for this namespace and store.
 
     The checksum reads the whole file once (CRC-32 in chunks, without the GIL), which also brings it into the page
-    cache; the arrays returned are read-only views of the mapping.
+    cache; the arrays returned are read-only views of the mapping. With ``checked``, a checksum already computed in
+    the background, that pass is skipped when it passed on this very file (same inode, size and modification time).
 
     Raises:
         IndexFileError: a missing or unreadable file, another format, a file cut short or failing its checksum, or
             one made for another namespace, vocabulary size or capacity (the message says which).
     """
     path = Path(path)
+    identity = _identity(path)
+    size, doc, data_end = _frame(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    passed = checked is not None and identity is not None and checked.passed(identity) and \
+        _identity(path) == identity
+    if not passed and not _checksum_ok(mapped, data_end):
+        raise IndexFileError(f"{path} fails its checksum (corrupt)")
+    try:
+        names = {f.name for f in fields(IndexFileHeader)}
+        header = IndexFileHeader(**{k: v for k, v in doc.items() if k in names})
+        arrays = {e["name"]: _view(mapped, e, data_end) for e in doc["arrays"]}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise IndexFileError(f"{path} has a header that does not describe its arrays: {exc}") from None
+    for what, got, want in (("namespace", header.namespace, namespace), ("vocabulary size", header.vocab_size,
+                                                                         vocab_size),
+                            ("ring capacity", header.capacity, capacity)):
+        if got != want:
+            raise IndexFileError(f"{path} was made for {what} {got!r}, not {want!r}")
+    loaded = IndexFile(header, arrays, size)
+    loaded.saved_store()  # arrays that form a store
+    return loaded
+
+
+class ChecksumAhead:
+    """An index file's checksum computed in a thread of its own, started early (at start-up, while Redis loads
+    its data), so that ``read_index_file`` need not compute it on the way to serving.
+
+    Args:
+        path: the file.
+    """
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self._passed: tuple[int, int, int, int] | None = None  # identity of the file whose checksum passed
+        self._thread = threading.Thread(target=self._run, name="index-file-checksum", daemon=True)
+
+    def start(self) -> ChecksumAhead:
+        """Start computing; returns self."""
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            before = _identity(self.path)
+            _, _, data_end = _frame(self.path)
+            if _checksum_ok(np.memmap(self.path, dtype=np.uint8, mode="r"), data_end) and \
+                    _identity(self.path) == before:
+                self._passed = before
+        except (IndexFileError, OSError, ValueError):
+            pass  # read_index_file checks the file again and says what is wrong with it
+
+    def passed(self, identity: tuple[int, int, int, int]) -> bool:
+        """Whether the checksum passed on the file with this identity (waits for the computation to end)."""
+        self._thread.join()
+        return self._passed == identity
+
+
+def _identity(path: Path) -> tuple[int, int, int, int] | None:
+    """(device, inode, size, modification time) of a file, None when it cannot be read: files are replaced by a
+    rename, never rewritten in place, so this names one file's contents."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _frame(path: Path) -> tuple[int, dict, int]:
+    """(size, header, bytes before the trailer) of an index file, its prefix and size checked.
+
+    Raises:
+        IndexFileError: a missing or unreadable file, another format, a corrupt header, a size the header denies.
+    """
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -257,27 +333,16 @@ def read_index_file(path: Path | str, namespace: str, vocab_size: int, capacity:
     if size != data_end + _TRAILER.size:
         raise IndexFileError(f"{path} is cut short or overlong: {size} bytes, its header says "
                              f"{data_end + _TRAILER.size}")
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    return size, doc, data_end
+
+
+def _checksum_ok(mapped: np.memmap, data_end: int) -> bool:
+    """Whether the trailer after ``data_end`` holds that length and the CRC-32 of the bytes before it."""
     magic_end, covered, stored_crc = _TRAILER.unpack(bytes(mapped[data_end:]))
     crc = 0
     for i in range(0, data_end, CHUNK):
         crc = zlib.crc32(mapped[i:min(i + CHUNK, data_end)].data, crc)
-    if magic_end != _TRAILER_MAGIC or covered != data_end or crc != stored_crc:
-        raise IndexFileError(f"{path} fails its checksum (corrupt)")
-    try:
-        names = {f.name for f in fields(IndexFileHeader)}
-        header = IndexFileHeader(**{k: v for k, v in doc.items() if k in names})
-        arrays = {e["name"]: _view(mapped, e, data_end) for e in doc["arrays"]}
-    except (ValueError, KeyError, TypeError) as exc:
-        raise IndexFileError(f"{path} has a header that does not describe its arrays: {exc}") from None
-    for what, got, want in (("namespace", header.namespace, namespace), ("vocabulary size", header.vocab_size,
-                                                                         vocab_size),
-                            ("ring capacity", header.capacity, capacity)):
-        if got != want:
-            raise IndexFileError(f"{path} was made for {what} {got!r}, not {want!r}")
-    loaded = IndexFile(header, arrays, size)
-    loaded.saved_store()  # arrays that form a store
-    return loaded
+    return magic_end == _TRAILER_MAGIC and covered == data_end and crc == stored_crc
 
 
 def _view(mapped: np.memmap, entry: dict, data_end: int) -> np.ndarray:

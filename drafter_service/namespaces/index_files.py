@@ -22,6 +22,7 @@ import numpy as np
 from drafter_service.core.drafter import Drafter
 from drafter_service.namespaces.durable_log import DurableLog
 from store.index_file import (
+    ChecksumAhead,
     IndexFile,
     IndexFileError,
     IndexFileHeader,
@@ -66,11 +67,13 @@ class IndexFiles:
         log: its durable log (the write lock, the position).
         persistence: its Redis persistence.
         holding: whether its spool holds requests the log does not have yet (no file is written then).
+        checked: the file's checksum, computed ahead in the background (``load`` then skips its own pass).
     """
 
     def __init__(self, path: Path, name: str, drafter: Drafter, log: DurableLog, persistence: RedisPersistence,
-                 holding: Callable[[], bool] = lambda: False) -> None:
+                 holding: Callable[[], bool] = lambda: False, checked: ChecksumAhead | None = None) -> None:
         self.path = Path(path)
+        self.checked = checked
         self.name = name
         self.drafter = drafter
         self.log = log
@@ -160,7 +163,7 @@ class IndexFiles:
         t0 = time.perf_counter()
         cfg = self.drafter.config
         try:
-            found = read_index_file(self.path, self.name, cfg.vocab_size, cfg.capacity)
+            found = read_index_file(self.path, self.name, cfg.vocab_size, cfg.capacity, self.checked)
             self._check_log(found)
         except IndexFileError as exc:
             logger.warning("namespace %s: index file not used (%s); rebuilding the index from the log", self.name,

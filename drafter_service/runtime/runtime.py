@@ -14,7 +14,7 @@ from drafter_service.namespaces.log_follower import LogFollower, default_replica
 from drafter_service.rpc.loop_server import LoopServer
 from drafter_service.rpc.persistence_health import PersistenceHealth
 from drafter_service.rpc.server import create_server
-from drafter_service.runtime.index_folder import attach_index_files
+from drafter_service.runtime.index_folder import attach_index_files, check_index_files_ahead
 from drafter_service.runtime.jobs import start_jobs
 from drafter_service.runtime.spools import attach_spools
 from drafter_service.service.auth import HttpAuth
@@ -52,6 +52,7 @@ class Runtime:
         """Connect storage, restore every namespace, start serving and the background jobs."""
         cfg = self.config
         url = cfg.redis_url
+        checked = check_index_files_ahead(cfg)  # while Redis loads its data
         if not url:
             self.redis = EmbeddedRedis(Path(cfg.data_dir))
             self.redis.start()
@@ -64,7 +65,7 @@ class Runtime:
             self._worker = IndexWorker()
             for ns in self.service.namespaces.values():
                 ns.drafter.store.builder = self._worker.build_arrays
-        attach_index_files(self.service, cfg)
+        attach_index_files(self.service, cfg, checked)
         adopted = attach_spools(self.service, cfg)  # a stopped process's spooled requests go into the log first
         if adopted:
             logger.info("%d requests spooled by a stopped process moved to Redis", adopted)

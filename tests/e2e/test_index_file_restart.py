@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,10 @@ from serving import free_port, wait_serving
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
+from drafter_service.core.config import DrafterConfig
+from drafter_service.runtime.runtime import Runtime
+from drafter_service.service.config import ServiceConfig
+from store import index_file
 from store.index_file import IndexFileError, read_index_file
 
 DRAFTER = str(Path(sys.executable).parent / "drafter")
@@ -146,3 +151,31 @@ def test_a_restart_after_sigkill_reads_the_index_file_and_a_corrupt_one_is_rebui
             assert "fails its checksum" in said and "rebuilding the index from the log" in said, said[-3000:]
     text = log.read_text(errors="replace")
     assert "index builder process failed" not in text and not (cwd / "FAKE_WORKER_RAN").exists()
+
+
+def test_a_runtime_checks_its_index_file_ahead_once_and_restores_from_it(redis_server, tmp_path: Path, monkeypatch):
+    cfg = ServiceConfig(address="127.0.0.1:0", redis_url=redis_server.url, http_address="", data_dir=str(tmp_path),
+                        default_vocab_size=VOCAB, drafter=DrafterConfig(capacity=CAPACITY), rebuild_in_subprocess=False,
+                        rebuild_interval_s=3600, snapshot_interval_s=3600, metrics_interval_s=3600)
+    first = Runtime(cfg).start()
+    try:
+        ns = first.service.namespace("")
+        ns.ingest([([1, 2, 3], list(range(10, 60)), "r1"), ([4, 5], list(range(60, 90)), "r2")])
+        ns.rebuild("main")
+    finally:
+        first.stop()  # writes the index file
+    path = tmp_path / "index" / "default.index"
+    assert path.is_file()
+    passes: list[str] = []
+    checksum_ok = index_file._checksum_ok
+    monkeypatch.setattr(index_file, "_checksum_ok",
+                        lambda mapped, end: passes.append(threading.current_thread().name) or checksum_ok(mapped, end))
+    second = Runtime(cfg).start()
+    try:
+        files = second.service.namespace("").index_files
+        assert files is not None and files.checked is not None and files.checked.path == path
+        assert passes == ["index-file-checksum"]  # once, in its own thread, not again on the way to serving
+        assert second.service.namespace("").drafter.store.ring.documents == 2
+        assert second.service.namespace("").index_files.covered_end > 0  # type: ignore[union-attr]
+    finally:
+        second.stop()

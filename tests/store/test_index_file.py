@@ -12,6 +12,7 @@ import pytest
 
 from store import index_file
 from store.index_file import (
+    ChecksumAhead,
     IndexFileError,
     IndexFileHeader,
     read_index_file,
@@ -125,6 +126,56 @@ def test_a_flipped_byte_anywhere_fails_the_checksum(tmp_path: Path, where: str) 
     path.write_bytes(bytes(raw))
     with pytest.raises(IndexFileError, match="not an index file|checksum|corrupt header"):
         read_index_file(path, "ns", 40, CAPACITY)
+
+
+def test_a_checksum_computed_ahead_is_used_once_for_the_file_it_checked(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    passes: list[int] = []
+    checksum_ok = index_file._checksum_ok
+    monkeypatch.setattr(index_file, "_checksum_ok", lambda mapped, end: passes.append(end) or checksum_ok(mapped, end))
+    path = tmp_path / "ns.index"
+    write(filled(), path)
+    ahead = ChecksumAhead(path).start()
+    found = read_index_file(path, "ns", 40, CAPACITY, ahead)
+    assert len(passes) == 1  # the pass ahead; reading did not checksum again
+    assert np.array_equal(found.arrays["tokens"], read_index_file(path, "ns", 40, CAPACITY).arrays["tokens"])
+    assert len(passes) == 2
+    del found
+
+
+@pytest.mark.parametrize("change", ["replaced", "flipped in place"])
+def test_a_file_changed_after_its_checksum_was_computed_ahead_is_checked_again(tmp_path: Path, change: str) -> None:
+    path = tmp_path / "ns.index"
+    write(filled(), path)
+    ahead = ChecksumAhead(path).start()
+    assert ahead.passed(index_file._identity(path))  # type: ignore[arg-type]
+    raw = bytearray(path.read_bytes())
+    raw[5000] ^= 0x10
+    if change == "replaced":  # a new file under the name (as files are written: another inode)
+        path.unlink()
+        path.write_bytes(bytes(raw))
+    else:
+        with open(path, "r+b") as f:
+            f.seek(5000)
+            f.write(bytes(raw[5000:5001]))
+        st = path.stat()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # a later write, whatever the clock's grain
+    with pytest.raises(IndexFileError, match="checksum"):
+        read_index_file(path, "ns", 40, CAPACITY, ahead)
+
+
+def test_a_corrupt_file_checked_ahead_is_refused_as_without(tmp_path: Path) -> None:
+    path = tmp_path / "ns.index"
+    write(filled(), path)
+    raw = bytearray(path.read_bytes())
+    raw[5000] ^= 0x10
+    path.write_bytes(bytes(raw))
+    ahead = ChecksumAhead(path).start()
+    with pytest.raises(IndexFileError, match="checksum"):
+        read_index_file(path, "ns", 40, CAPACITY, ahead)
+    missing = ChecksumAhead(tmp_path / "none.index").start()
+    with pytest.raises(IndexFileError, match="cannot read"):
+        read_index_file(tmp_path / "none.index", "ns", 40, CAPACITY, missing)
 
 
 @pytest.mark.parametrize("keep", [0, 10, 5000, -1])
