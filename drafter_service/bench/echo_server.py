@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -46,7 +47,8 @@ def main() -> int:
     print("ready", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
-    done.wait()
+    while not done.is_set():  # polled: the handler runs only when this thread runs bytecode, and takes done's lock
+        time.sleep(0.1)
     server.stop(0)
     return 0
 

@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -140,8 +141,8 @@ def _watch(warmer: Warmer, args: argparse.Namespace, stop: threading.Event) -> W
     print(f"watching {', '.join(args.paths)} every {args.interval:g} s (Ctrl-C to stop)", file=sys.stderr,
           flush=True)
     try:
-        while not stop.wait(0.5):
-            pass
+        while not stop.is_set():  # not stop.wait: the signal handler sets it, and must not find its lock held here
+            time.sleep(0.5)
     finally:
         watch.stop()
         scheduler.shutdown(wait=True)

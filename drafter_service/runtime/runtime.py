@@ -135,11 +135,13 @@ class Runtime:
     def wait(self) -> None:
         """Block until ``stop`` is called (from a signal handler or another thread).
 
-        Waits in short slices: a signal the kernel delivers to another thread only sets a flag, and the main thread
-        runs the Python handler when it next executes bytecode, which a wait with no timeout may never do.
+        Sleeps in short slices and reads the flag without its lock: a signal the kernel delivers to another thread
+        only sets a flag, and the main thread runs the Python handler when it next executes bytecode (which a wait
+        with no timeout may never do); and a handler that calls ``stop`` sets ``_stopped``, whose lock
+        ``Event.wait`` holds for a moment after each timeout: a handler run then deadlocked the process.
         """
-        while not self._stopped.wait(0.25):
-            pass
+        while not self._stopped.is_set():
+            time.sleep(0.25)
 
     def __enter__(self) -> Runtime:
         return self.start()
