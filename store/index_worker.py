@@ -20,6 +20,46 @@ from store.suffix_index import build_arrays
 logger = logging.getLogger(__name__)
 
 
+SEGMENT_PREFIX = "drafter-ix-"
+"""Shared memory of index builds is named ``drafter-ix-<service pid>-<in|out><n>``, so that segments a killed
+service (or its builder, finishing after it) left behind are found and removed by the next one (``sweep_orphans``)."""
+
+
+def segment_name(owner: int, kind: str, n: int) -> str:
+    """Name of the ``n``-th ``kind`` ("in" or "out") segment of the service whose pid is ``owner``."""
+    return f"{SEGMENT_PREFIX}{owner}-{kind}{n}"
+
+
+def sweep_orphans(folder: Path = Path("/dev/shm")) -> int:
+    """Remove the build segments of services that no longer run (killed between making a segment and unlinking
+    it: a SIGKILL during a rebuild); returns how many bytes were freed. Segments of running services are kept."""
+    freed = 0
+    for path in folder.glob(f"{SEGMENT_PREFIX}*") if folder.is_dir() else ():
+        try:
+            owner = int(path.name[len(SEGMENT_PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if owner == os.getpid() or _running(owner):
+            continue
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except OSError:
+            continue
+        freed += size
+    return freed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def _serve() -> None:
     """Child loop on stdin/stdout: a line "SHM_NAME N" names a snapshot in shared memory; the reply line is
     "ok OUT_NAME BITS PER_KEY" (suffix array then keys in new shared memory) or "error MESSAGE"."""
@@ -27,7 +67,8 @@ def _serve() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         os.nice(19)
-    for line in sys.stdin:
+    owner = os.getppid()
+    for k, line in enumerate(sys.stdin):
         try:
             name, n_text = line.split()
             n = int(n_text)
@@ -37,13 +78,19 @@ def _serve() -> None:
             snapshot = np.ndarray((n,), dtype=np.int32, buffer=shm.buf).copy()
             shm.close()
             sa, keys, bits, per_key = build_arrays(snapshot)
-            out = SharedMemory(create=True, size=max(1, n * 12))
+            if os.getppid() != owner:
+                return  # the service is gone: nobody would take (and unlink) the result
+            out = SharedMemory(name=segment_name(owner, "out", k), create=True, size=max(1, n * 12))
             # handed over: the parent unlinks it
             resource_tracker.unregister(out._name, "shared_memory")  # type: ignore[attr-defined]
             np.ndarray((n,), dtype=np.int32, buffer=out.buf)[:] = sa
             np.ndarray((n,), dtype=np.uint64, buffer=out.buf, offset=n * 4)[:] = keys
             out.close()
-            print(f"ok {out.name} {bits} {per_key}", flush=True)
+            try:
+                print(f"ok {out.name} {bits} {per_key}", flush=True)
+            except BrokenPipeError:  # the service died while this build ran
+                out.unlink()
+                return
         except Exception as exc:  # reported to the parent, which then builds in-process
             print(f"error {exc!r}".replace("\n", " "), flush=True)
 
@@ -89,6 +136,11 @@ class IndexWorker:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
+        self._builds = 0  # numbers this process's input segments
+        freed = sweep_orphans()
+        if freed:
+            logger.warning("removed %.1f MB of shared memory that index builds of stopped services left behind",
+                           freed / 1e6)
 
     def _ensure(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
@@ -105,7 +157,8 @@ class IndexWorker:
         if n == 0:
             return build_arrays(snapshot)
         with self._lock:
-            shm = SharedMemory(create=True, size=n * 4)
+            self._builds += 1
+            shm = SharedMemory(name=segment_name(os.getpid(), "in", self._builds), create=True, size=n * 4)
             try:
                 copy_chunked(np.ndarray((n,), dtype=np.int32, buffer=shm.buf), snapshot)
                 proc = self._ensure()

@@ -1,14 +1,17 @@
 """Suffix index builds in a child process give exactly the in-process result."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import store
-from store.index_worker import IndexWorker, worker_command
+from store.index_worker import SEGMENT_PREFIX, IndexWorker, segment_name, sweep_orphans, worker_command
 from store.suffix_index import build_arrays
 from store.token_store import TokenStore
 
@@ -75,3 +78,48 @@ def test_the_child_runs_this_installation_wherever_the_process_was_started(tmp_p
     assert "failed" not in done.stderr and not (fake / "FAKE_WORKER_RAN").exists()
     assert done.stdout.split("\n")[0] == f"sa {build_arrays(np.array([3, 1, 2, -1, 1, 2, -1], np.int32))[0].tolist()}"
     assert worker_command()[-1] == str(Path(store.__file__).resolve().parent.parent)
+
+
+def test_segments_of_services_that_no_longer_run_are_swept_and_others_kept(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        for owner in (gone.pid, alive.pid, os.getpid()):
+            (tmp_path / segment_name(owner, "out", 1)).write_bytes(b"x" * 100)
+        (tmp_path / "psm_other").write_bytes(b"y")
+        assert sweep_orphans(tmp_path) == 100
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [segment_name(alive.pid, "out", 1), segment_name(os.getpid(), "out", 1), "psm_other"])
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+BUILDER = """
+import sys
+import numpy as np
+from store.index_worker import IndexWorker
+worker = IndexWorker()
+worker._ensure()
+print(worker._proc.pid, flush=True)
+worker.build_arrays(np.random.default_rng(0).integers(0, 50, 6_000_000).astype(np.int32))
+"""
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="shared memory is not in /dev/shm here")
+def test_a_service_killed_during_a_build_leaves_no_shared_memory_behind():
+    before = set(Path("/dev/shm").iterdir())
+    proc = subprocess.Popen([sys.executable, "-c", BUILDER], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(store.__file__).resolve().parent.parent)
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    time.sleep(0.5)  # the snapshot is in shared memory and the child builds
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:  # the child ends its build on its own
+        time.sleep(0.1)
+    IndexWorker().close()  # a new service's builder sweeps what the killed one left
+    assert not list(Path("/dev/shm").glob(f"{SEGMENT_PREFIX}{proc.pid}-*"))
+    assert not [p for p in set(Path("/dev/shm").iterdir()) - before if not p.name.startswith("sem.")]
