@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
@@ -21,13 +22,14 @@ logger = logging.getLogger(__name__)
 
 
 SEGMENT_PREFIX = "drafter-ix-"
-"""Shared memory of index builds is named ``drafter-ix-<service pid>-<in|out><n>``, so that segments a killed
-service (or its builder, finishing after it) left behind are found and removed by the next one (``sweep_orphans``)."""
+"""Shared memory of index builds is named ``drafter-ix-<service pid>-<what>``, so that segments a killed service
+(or its builder, finishing after it) left behind are found and removed by the next one (``sweep_orphans``)."""
+_INPUTS = itertools.count(1)  # numbers the input segments of this process (of all its IndexWorkers)
 
 
-def segment_name(owner: int, kind: str, n: int) -> str:
-    """Name of the ``n``-th ``kind`` ("in" or "out") segment of the service whose pid is ``owner``."""
-    return f"{SEGMENT_PREFIX}{owner}-{kind}{n}"
+def segment_name(owner: int, what: str) -> str:
+    """Name of a segment of the service whose pid is ``owner``: ``what`` makes it unique among them."""
+    return f"{SEGMENT_PREFIX}{owner}-{what}"
 
 
 def sweep_orphans(folder: Path = Path("/dev/shm")) -> int:
@@ -80,7 +82,7 @@ def _serve() -> None:
             sa, keys, bits, per_key = build_arrays(snapshot)
             if os.getppid() != owner:
                 return  # the service is gone: nobody would take (and unlink) the result
-            out = SharedMemory(name=segment_name(owner, "out", k), create=True, size=max(1, n * 12))
+            out = SharedMemory(name=segment_name(owner, f"out{os.getpid()}-{k}"), create=True, size=max(1, n * 12))
             # handed over: the parent unlinks it
             resource_tracker.unregister(out._name, "shared_memory")  # type: ignore[attr-defined]
             np.ndarray((n,), dtype=np.int32, buffer=out.buf)[:] = sa
@@ -136,7 +138,6 @@ class IndexWorker:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
-        self._builds = 0  # numbers this process's input segments
         freed = sweep_orphans()
         if freed:
             logger.warning("removed %.1f MB of shared memory that index builds of stopped services left behind",
@@ -157,8 +158,7 @@ class IndexWorker:
         if n == 0:
             return build_arrays(snapshot)
         with self._lock:
-            self._builds += 1
-            shm = SharedMemory(name=segment_name(os.getpid(), "in", self._builds), create=True, size=n * 4)
+            shm = SharedMemory(name=segment_name(os.getpid(), f"in{next(_INPUTS)}"), create=True, size=n * 4)
             try:
                 copy_chunked(np.ndarray((n,), dtype=np.int32, buffer=shm.buf), snapshot)
                 proc = self._ensure()

@@ -86,11 +86,11 @@ def test_segments_of_services_that_no_longer_run_are_swept_and_others_kept(tmp_p
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         for owner in (gone.pid, alive.pid, os.getpid()):
-            (tmp_path / segment_name(owner, "out", 1)).write_bytes(b"x" * 100)
+            (tmp_path / segment_name(owner, "out1-0")).write_bytes(b"x" * 100)
         (tmp_path / "psm_other").write_bytes(b"y")
         assert sweep_orphans(tmp_path) == 100
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-            [segment_name(alive.pid, "out", 1), segment_name(os.getpid(), "out", 1), "psm_other"])
+            [segment_name(alive.pid, "out1-0"), segment_name(os.getpid(), "out1-0"), "psm_other"])
     finally:
         alive.kill()
         alive.wait()
