@@ -17,23 +17,25 @@ def index_folder(config: ServiceConfig) -> Path:
     return Path(config.index_dir) if config.index_dir else Path(config.data_dir) / "index"
 
 
+def index_file_path(config: ServiceConfig, namespace: str) -> Path:
+    """A namespace's index file: ``<index folder>/<namespace>.index``."""
+    return index_folder(config) / f"{namespace}{SUFFIX}"
+
+
 def check_index_files_ahead(config: ServiceConfig) -> dict[Path, ChecksumAhead]:
-    """Start computing the checksum of every index file in the index folder, each in a thread of its own: at
+    """Start computing the checksum of each configured namespace's index file, each in a thread of its own: at
     start-up this runs while Redis loads its data, instead of after it on the way to serving."""
-    folder = index_folder(config)
-    if not folder.is_dir():
-        return {}
-    return {path: ChecksumAhead(path).start() for path in sorted(folder.glob(f"*{SUFFIX}"))}
+    paths = (index_file_path(config, spec.name) for spec in config.namespaces)
+    return {path: ChecksumAhead(path).start() for path in paths if path.is_file()}
 
 
 def attach_index_files(service: DrafterService, config: ServiceConfig,
                        checked: Mapping[Path, ChecksumAhead] | None = None) -> None:
     """Give every namespace with persistence its index file, ``<index folder>/<namespace>.index`` (read at restore,
     written after each main rebuild), with its checksum computed ahead where ``checked`` has it."""
-    folder = index_folder(config)
     for ns in service.namespaces.values():
         if ns.persistence is not None:
-            path = folder / f"{ns.name}{SUFFIX}"
+            path = index_file_path(config, ns.name)
             ns.index_files = IndexFiles(path, ns.name, ns.drafter, ns.log, ns.persistence,
                                         holding=_spool_holding(ns), checked=(checked or {}).get(path))
 
