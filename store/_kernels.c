@@ -1335,13 +1335,15 @@ typedef struct {
 } TailObject;
 
 #define PAIR_BIT ((uint64_t)1 << 63)
-#define TAIL_SLACK 65536 /* stale positions tolerated before the lists are rebuilt from the scan's start */
+#define TAIL_SLACK 65536 /* stale positions tolerated before the lists drop them */
 /* Most unindexed tokens a store lookup searches: the newest TAIL_WINDOW after the indexes (a Tail's ``window``
  * when one is given). What lies between the indexes' end and that window is not drafted from until a rebuild
  * indexes it, so a lookup never indexes or scans more than this many tokens however far indexing lags. */
 #define TAIL_WINDOW 131072
-/* Most unindexed tokens searched through a Tail's occurrence lists: a larger stretch (indexing lagging behind an
- * ingest) is scanned instead, since bringing the lists up to date costs more per token than a scan. */
+/* Most tokens a lookup adds to a Tail's occurrence lists: a stretch that would need more (indexing lagging behind an
+ * ingest, the lists out of date or starting over) is scanned instead, since adding a token to the lists costs more
+ * than scanning it once. Lists kept up to date a little at a time (lookups of many sessions while requests keep
+ * arriving) answer for the whole window. */
 #define TAIL_LISTS 16384
 
 static inline uint64_t tail_hash(uint64_t k) {
@@ -1413,6 +1415,17 @@ static int tail_add(TailObject *T, uint64_t key, int64_t pos) {
     return vec_push(&T->lists[T->ids[i]], pos);
 }
 
+/* First index of list entries >= x. */
+static Py_ssize_t lower_bound(const Vec *v, int64_t x) {
+    Py_ssize_t lo = 0, hi = v->n;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (v->v[mid] < x) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
 /* Empties the lists (keeping their memory) to cover positions from ``from`` on. */
 static void tail_rebase(TailObject *T, int64_t from) {
     if (T->slots) memset(T->ids, 0xff, (size_t)T->slots * sizeof(int32_t));
@@ -1421,12 +1434,64 @@ static void tail_rebase(TailObject *T, int64_t from) {
     T->start = T->end = from;
 }
 
-/* Covers [from, stop) of the ring (from >= oldest): indexes what arrived since the last call, or starts over
- * from ``from`` when the lists have a gap or hold mostly positions before it. Either way it indexes at most
- * stop - from tokens (the lookups keep that within the window). */
+/* Drops the positions before ``from`` (start <= from <= end) from every list, and the keys left without any
+ * (their lists' memory is kept for reuse): what starting over from ``from`` would hold, without indexing every
+ * token again. */
+static int tail_compact(TailObject *T, int64_t from) {
+    uint64_t *key_of = PyMem_Malloc((size_t)(T->nlists ? T->nlists : 1) * sizeof(uint64_t));
+    if (key_of == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < T->slots; j++)
+        if (T->ids[j] >= 0) key_of[T->ids[j]] = T->keys[j];
+    if (T->slots) memset(T->ids, 0xff, (size_t)T->slots * sizeof(int32_t));
+    Py_ssize_t kept = 0, mask = T->slots - 1;
+    for (Py_ssize_t id = 0; id < T->nlists; id++) {
+        Vec *v = &T->lists[id];
+        Py_ssize_t a = lower_bound(v, from);
+        if (a == v->n) {
+            v->n = 0;
+            continue;
+        }
+        if (a) memmove(v->v, v->v + a, (size_t)(v->n - a) * sizeof(int64_t));
+        v->n -= a;
+        if (kept != id) { /* lists [kept, id) are emptied ones: swap this one down, in order */
+            Vec emptied = T->lists[kept];
+            T->lists[kept] = *v;
+            T->lists[id] = emptied;
+        }
+        Py_ssize_t i = (Py_ssize_t)(tail_hash(key_of[id]) & (uint64_t)mask);
+        while (T->ids[i] >= 0) i = (i + 1) & mask;
+        T->keys[i] = key_of[id];
+        T->ids[i] = (int32_t)kept++;
+    }
+    T->used = T->nlists = kept;
+    T->start = from;
+    PyMem_Free(key_of);
+    return 0;
+}
+
+/* Whether the lists can cover positions from ``from`` on only by starting over: a gap before or after them, or all
+ * of them overwritten. */
+static int tail_gap(const TailObject *T, int64_t oldest, int64_t from) {
+    return from < T->start || T->end < from || T->end < oldest;
+}
+
+/* Whether tail_sync over [from, stop) indexes at most TAIL_LISTS tokens: all of them when it must start over,
+ * else those that arrived since the last sync. */
+static int tail_cheap(const TailObject *T, int64_t oldest, int64_t from, int64_t stop) {
+    return (tail_gap(T, oldest, from) ? stop - from : stop - T->end) <= TAIL_LISTS;
+}
+
+/* Covers [from, stop) of the ring (from >= oldest): indexes what arrived since the last call after dropping the
+ * positions before ``from`` once they are most of the lists, or starts over from ``from`` when the lists have a
+ * gap (see tail_cheap for what that costs). */
 static int tail_sync(TailObject *T, const Ring *r, int64_t oldest, int64_t from, int64_t stop) {
-    if (from < T->start || T->end < from || T->end < oldest || from - T->start > T->end - from + TAIL_SLACK)
+    if (tail_gap(T, oldest, from))
         tail_rebase(T, from);
+    else if (from - T->start > T->end - from + TAIL_SLACK && tail_compact(T, from) < 0)
+        return -1;
     for (int64_t p = T->end; p < stop; p++) {
         int32_t t = r->d[ring_slot(r, p)];
         if (t >= 0) {
@@ -1437,17 +1502,6 @@ static int tail_sync(TailObject *T, const Ring *r, int64_t oldest, int64_t from,
         T->end = p + 1;
     }
     return 0;
-}
-
-/* First index of list entries >= x. */
-static Py_ssize_t lower_bound(const Vec *v, int64_t x) {
-    Py_ssize_t lo = 0, hi = v->n;
-    while (lo < hi) {
-        Py_ssize_t mid = (lo + hi) / 2;
-        if (v->v[mid] < x) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
 }
 
 /* scan_core over [start, stop) answered from the lists (synced over that range, start >= oldest): the same
@@ -1637,7 +1691,7 @@ static int store_core(Lookup *L, Py_ssize_t clen, const Ring *r, int64_t oldest,
     int64_t idx_end = delta ? delta->end : (main_ix ? main_ix->end : 0), from = idx_end > oldest ? idx_end : oldest;
     int64_t window = tail ? tail->window : TAIL_WINDOW;
     if (stop - from > window) from = stop - window; /* bounded work: only the newest unindexed tokens */
-    if (tail && from < stop && stop - from <= TAIL_LISTS) {
+    if (tail && from < stop && tail_cheap(tail, oldest, from, stop)) {
         if (tail_sync(tail, r, oldest, from, stop) < 0 ||
             tail_core(tail, r, from, stop, cv, clen, clen, oldest, &segs[0], &L->lens) < 0)
             return -1;
