@@ -1271,6 +1271,12 @@ static int64_t pick_recent(const Seg *const *segs, int nsegs, int64_t max_examin
         if (s->lazy && s->ix->levels && s->hi - s->lo > max_examined) {
             if (range_most_recent(s->ix, s->lo, s->hi, s->filtered ? s->thr : INT32_MAX, keep, sample, work) < 0)
                 return -1;
+        } else if (s->lazy && s->filtered && !s->mapped) { /* the held entries, read once (no live map) */
+            if (vec_reserve(sample, sample->n + (s->hi - s->lo)) < 0) return -1;
+            const int32_t *sa = s->ix->sa;
+            int64_t top = s->ix->end - 1;
+            for (Py_ssize_t i = s->lo; i < s->hi; i++)
+                if (sa[i] <= s->thr) sample->v[sample->n++] = top - (int64_t)sa[i];
         } else if (seg_sample(s, 0, 1, sample) < 0) {
             return -1;
         }
@@ -1715,8 +1721,7 @@ static int store_core(Lookup *L, Py_ssize_t clen, const Ring *r, int64_t oldest,
     for (int i = 0; i < 3; i++) {
         if (segs[i].ncounts == segs[i].m)
             for (int64_t j = 0; j < segs[i].m; j++) sum[j] += segs[i].counts[j];
-        if (segs[i].m == m) {
-            if (seg_ready(&segs[i]) < 0) return -1;
+        if (segs[i].m == m) { /* a filtered range counts all its entries here: at least those held */
             longest[nl++] = &segs[i];
             n_ends += seg_len(&segs[i]);
         }
