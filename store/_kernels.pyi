@@ -12,6 +12,10 @@ _Matches = tuple[int, np.ndarray, np.ndarray]
 
 TAIL_WINDOW: int
 """Most unindexed tokens (the newest) a store lookup searches when no Tail is given."""
+TAIL_LISTS: int
+"""Most tokens a store lookup adds to a Tail's lists at once (more: it scans)."""
+TAIL_ADD_COST: int
+"""A Tail's ``add_cost`` by default."""
 
 @final
 class Index:
@@ -26,13 +30,16 @@ class Index:
 @final
 class Tail:
     """Where each token and pair of tokens occurs in a store's unindexed tail, kept up to date by the store
-    lookups given it (their answers are those of scanning the tail); they search only the newest ``window``
-    unindexed tokens."""
+    lookups given it once they would spend more scanning the tail than bringing the lists up to date (their
+    answers are those of scanning it); they search only the newest ``window`` unindexed tokens."""
 
-    def __init__(self, window: int = ...) -> None: ...
+    def __init__(self, window: int = ..., add_cost: int = ...) -> None: ...
     @property
     def window(self) -> int:
         """Most unindexed tokens (the newest) a lookup given this Tail searches."""
+    @property
+    def add_cost(self) -> int:
+        """Tokens scanned that cost as much as adding one to the lists (0: the lists whenever they can)."""
     @property
     def nbytes(self) -> int:
         """Memory held by the occurrence lists."""

@@ -425,12 +425,20 @@ def _scanned(store: TokenStore, ctx: np.ndarray, max_match: int, max_occurrences
                                 max_occurrences, depth, store.max_candidates, store.max_examined, None)
 
 
+def _eager_tail(store: TokenStore) -> KERNELS.Tail:
+    """Give ``store`` a Tail whose lookups bring its lists up to date whenever that adds at most TAIL_LISTS tokens
+    (``add_cost`` 0), whatever the scans would cost: the lists answer every lookup they can."""
+    store._tail = KERNELS.Tail(store.tail_window, add_cost=0)
+    return store._tail
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_tail_lists_answer_as_the_scan_as_tokens_arrive(seed: int) -> None:
     """A lookup between every append: the Tail catches up on what arrived, starts over after rebuilds and
     wraps, and answers exactly as scanning the tail and as numpy."""
     rng = np.random.default_rng(seed)
     store = TokenStore(capacity=(900, 5000)[seed], tail_tokens=1 << 30, max_examined=(1024, 6)[seed])
+    tail = _eager_tail(store)
     _fill(store, rng, 10, 3)
     store.rebuild("main")
     for step in range(300):
@@ -451,18 +459,16 @@ def test_tail_lists_answer_as_the_scan_as_tokens_arrive(seed: int) -> None:
                                                                                          np.zeros((0, 0), np.int32)))
         with numpy_only():
             assert_same(got, store.lookup(ctx, *args))
-    tail = store._tail
-    assert tail is not None and tail.start <= max(store.indexed_end, store.ring.oldest) and tail.end == store.ring.end
+    assert tail.start <= max(store.indexed_end, store.ring.oldest) and tail.end == store.ring.end
 
 
 def test_tail_lists_drop_stale_positions() -> None:
     """After rebuilds swallow what the lists cover, the positions now indexed leave the lists instead of piling up."""
     rng = np.random.default_rng(3)
     store = TokenStore(capacity=1 << 19, tail_tokens=1 << 30)
+    tail = _eager_tail(store)
     _fill(store, rng, 20, 4)
     store.rebuild("main")
-    tail = store._tail
-    assert tail is not None
     covered = []
     for _ in range(12):  # each round: a tail the lists answer for, then a delta rebuild that indexes it
         while store.unindexed < KERNELS.TAIL_LISTS - 1000:
@@ -497,9 +503,9 @@ def test_tail_lists_kept_up_to_date_answer_for_a_long_tail(seed: int) -> None:
         # None: the index is built in this process
 
     answered = 0
-    for step in range(200):
+    for step in range(120):
         store.append(rng.integers(0, (6, 40)[seed], int(rng.integers(500, 3000))))
-        for _ in range(3):
+        for _ in range(16):  # enough lookups a step that bringing the lists up to date pays
             held = store.ring.read(max(store.ring.oldest, store.ring.end - 4000), store.ring.end)
             cut = int(rng.integers(2, held.size))
             ctx = held[max(0, cut - int(rng.integers(1, 10))):cut]
@@ -517,12 +523,39 @@ def test_tail_lists_kept_up_to_date_answer_for_a_long_tail(seed: int) -> None:
         if store.unindexed > KERNELS.TAIL_LISTS:
             assert tail.end == store.ring.end  # the lists answered, not a scan
             answered += 1
-        if step % 50 == 49:  # indexes what the lists cover: they drop it at the next lookup
+        if step % 30 == 29:  # indexes what the lists cover: they drop it at the next lookup
             store.builder = arrive_while_building
             store.rebuild("delta")
             store.builder = None
-    assert answered > 100
+    assert answered > 40
     assert tail.end - tail.start <= 2 * KERNELS.TAIL_WINDOW + 65536 + 3000  # stale positions are bounded
+
+
+def test_lookups_scan_until_the_scans_cost_as_much_as_bringing_the_lists_up_to_date() -> None:
+    """Each lookup either scans the tail or brings the lists up to date and searches them: the lists once the
+    scans since they last answered, this one's included, cost ``add_cost`` tokens a token they add."""
+    rng = np.random.default_rng(5)
+    store = TokenStore(capacity=1 << 16, tail_tokens=1 << 30)
+    tail = store._tail
+    assert tail is not None and tail.add_cost == KERNELS.TAIL_ADD_COST == 64
+    _fill(store, rng, 20, 4)
+    store.rebuild("main")
+    store.append(rng.integers(0, 8, 999))  # a tail of 1,000 tokens with the separator
+    ctx = store.ring.read(store.ring.end - 5, store.ring.end - 1)
+    for lookup in range(1, 65):  # the lists must start over: they add all 1,000 tokens, 64 scans' worth
+        got = store.lookup(ctx, 8, 8, 4)
+        with numpy_only():
+            assert_same(got, store.lookup(ctx, 8, 8, 4))
+        assert (tail.end == store.ring.end) == (lookup == 64)
+    store.append(rng.integers(0, 8, 99))  # 100 tokens more: 6,400 tokens of scans, the 1,100-token tail
+    for lookup in range(1, 7):            # scanned 6 times
+        store.lookup(ctx, 8, 8, 4)
+        assert (tail.end == store.ring.end) == (lookup == 6)
+    while store.ring.end - tail.end <= KERNELS.TAIL_LISTS:
+        store.append(rng.integers(0, 8, 999))
+    for _ in range(200):  # more arrived than the lists add at once: always scanned
+        store.lookup(ctx, 8, 8, 4)
+    assert tail.end < store.ring.end
 
 
 def test_a_tail_longer_than_the_lists_take_is_scanned_with_the_same_answers() -> None:
