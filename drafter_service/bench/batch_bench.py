@@ -15,8 +15,11 @@ from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.drafter.v1 import drafter_pb2_grpc as pb_grpc
 from drafter_service.api.tree import DraftTree, accept_greedy
 from drafter_service.bench.serve_bench import ServiceProcess, _fill, _wait_indexed
+from drafter_service.core.config import DrafterConfig
+from drafter_service.core.drafter import Drafter
 from drafter_service.datasets.loaders import Request, load_dataset
 from engine_client import DrafterClient
+from store.index_worker import IndexWorker
 
 
 def add_batch_bench(bench: argparse._SubParsersAction) -> None:
@@ -34,6 +37,14 @@ def add_batch_bench(bench: argparse._SubParsersAction) -> None:
     bp.add_argument("--engines", type=int, default=0, help="N > 0: a last column with N bare load generators "
                     "stepping at once against the service (one service, many engines: drafts/s of them all over "
                     "their whole steps, their own work between calls included)")
+    bp.add_argument("--sustain", type=float, default=0.0, help="S > 0: after the rows, a bare load generator keeps "
+                    "B sessions stepping for S seconds at each batch size (the first budget), every finished request "
+                    "stored as in the rows: the store turns over, the ring fills and wraps, rebuilds keep running; "
+                    "medians per 100 steps and of them all")
+    bp.add_argument("--core", type=float, default=0.0, help="S > 0: instead of a service, time the batched step "
+                    "inside this process for S seconds at each batch size (the first budget): one native "
+                    "Drafter.draft_steps per step, no gRPC, the same turnover (finished requests stored, the index "
+                    "rebuilt every second by the index worker): what the service's drafting itself costs")
     bp.set_defaults(func=run_batch_bench)
 
 
@@ -41,6 +52,8 @@ FILL = 2000
 """ShareGPT requests stored (cycled) until the service holds ``--tokens``."""
 HELD = 4000
 """Held-out requests the engines replay, each once while they last (enough for the default rows)."""
+SUSTAINED = 40000
+"""Held-out requests of their own for the ``--sustain`` runs (about 1.3 finish per step at B = 128)."""
 
 
 class Engine:
@@ -178,11 +191,118 @@ def _time_steps(engine: Engine, path: str, budget: int, steps: int) -> list[floa
     return times
 
 
+def _sustain(stub: pb_grpc.DrafterStub, pool: list[Request], batch: int, budget: int, seconds: float) -> int:
+    """Bare steps of ``batch`` sessions for ``seconds`` (whole blocks of 100), each block's median printed with the
+    store's size; returns the requests of ``pool`` used."""
+    engine = WireEngine(stub, pool, batch, offset=0)
+    blocks: list[float] = []
+    t_end = time.monotonic() + seconds
+    print(f"sustained, B = {batch}, budget {budget}: ms per bare DraftBatch, median of each 100 steps", flush=True)
+    while time.monotonic() < t_end and engine.next < len(pool):
+        blocks.append(float(np.median(_time_wire(engine, budget, 100))))
+        stats = stub.GetStats(pb.GetStatsRequest())
+        print(f"  block {len(blocks)}: {blocks[-1]:.2f} ms ({batch / blocks[-1] * 1e3:,.0f} drafts/s); "
+              f"{stats.stored_tokens:,} tokens stored, {stats.unindexed_tokens:,} not indexed yet", flush=True)
+    engine.close()
+    if engine.next >= len(pool):
+        print(f"  (stopped early: the {len(pool):,} held-out requests are used up)")
+    if blocks:
+        mid = float(np.median(blocks))
+        print(f"  median of the {len(blocks)} blocks: {mid:.2f} ms, {batch / mid * 1e3:,.0f} drafts/s", flush=True)
+    return engine.next
+
+
+def _core_block(drafter: Drafter, slots: list[list], budget: int, steps: int, pool: list[Request],
+                next_request: int) -> tuple[list[float], int]:
+    """``steps`` batched steps of the sessions in ``slots`` ([session, output, position, accepted]), each timed
+    alone; greedy acceptance, a finished request stored and replaced by ``pool[next_request]`` (then the next)."""
+    times = []
+    limits, report = [budget] * len(slots), [False] * len(slots)
+    for _ in range(steps):
+        accepted = np.concatenate([slot[3] for slot in slots]).astype(np.int32)
+        offsets = np.cumsum([0] + [len(slot[3]) for slot in slots]).tolist()
+        t0 = time.perf_counter()
+        out = drafter.draft_steps([slot[0] for slot in slots], accepted, offsets, limits, report)
+        times.append((time.perf_counter() - t0) * 1e3)
+        tokens, links = out.token_ids.tolist(), out.parents.tolist()
+        for k, slot in enumerate(slots):
+            sess, output, pos, _ = slot
+            node, n = -1, 0
+            for i in range(out.offsets[k], out.offsets[k + 1]):  # every parent comes before its children
+                if pos + n < len(output) and links[i] == node and tokens[i] == output[pos + n]:
+                    node, n = i - out.offsets[k], n + 1
+            slot[3] = np.asarray(output[pos:pos + n + 1], np.int32)
+            slot[2] = pos + len(slot[3])
+            if slot[2] >= len(output):
+                drafter.finish(sess, slot[3], document=np.concatenate([sess.tokens, slot[3]]))
+                req = pool[next_request % len(pool)]
+                next_request += 1
+                slots[k] = [drafter.start(f"core-{next_request}", req.prompt), req.output.tolist(), 0,
+                            np.zeros(0, np.int32)]
+    return times, next_request
+
+
+def run_core_bench(args: argparse.Namespace, fill: list[Request], pool: list[Request], batches: list[int],
+                   budget: int) -> int:
+    """``--core``: the batched steps of a drafter in this process, filled as the service is, for the given time."""
+    drafter = Drafter(DrafterConfig(vocab_size=49152, capacity=int(args.tokens * 1.3) + 1024))
+    worker = IndexWorker()
+    drafter.store.builder = worker.build_arrays
+    stop = threading.Event()
+    try:
+        stored, i = 0, 0
+        while stored < args.tokens:
+            req = fill[i % len(fill)]
+            i += 1
+            drafter.ingest(req.prompt, req.output)
+            stored += len(req.prompt) + len(req.output)
+        while drafter.rebuild():
+            pass
+        print(f"stored {drafter.store.stats()['tokens']:,} tokens; this process's batched steps (no service), "
+              f"budget {budget}, ms per step, median of each 100 steps", flush=True)
+
+        def rebuild_every_second() -> None:  # the service's rebuild job
+            while not stop.wait(1.0):
+                while not stop.is_set() and drafter.rebuild():
+                    pass
+
+        threading.Thread(target=rebuild_every_second, name="rebuild", daemon=True).start()
+        used = 0
+        for b in batches:
+            slots = []
+            for _ in range(b):
+                req = pool[used % len(pool)]
+                used += 1
+                slots.append([drafter.start(f"core-{used}", req.prompt), req.output.tolist(), 0,
+                              np.zeros(0, np.int32)])
+            blocks: list[float] = []
+            t_end = time.monotonic() + args.core
+            while time.monotonic() < t_end and used < len(pool):
+                times, used = _core_block(drafter, slots, budget, 100, pool, used)
+                blocks.append(float(np.median(times)))
+                s = drafter.store.stats()
+                print(f"  B = {b}, block {len(blocks)}: {blocks[-1]:.2f} ms ({b / blocks[-1] * 1e3:,.0f} drafts/s); "
+                      f"{s['tokens']:,} tokens stored, {s['unindexed_tokens']:,} not indexed yet", flush=True)
+            for sess, _, _, accepted in slots:
+                drafter.finish(sess, accepted)
+            if blocks:
+                mid = float(np.median(blocks))
+                print(f"  B = {b}: median of the {len(blocks)} blocks {mid:.2f} ms, {b / mid * 1e3:,.0f} drafts/s",
+                      flush=True)
+    finally:
+        stop.set()
+        worker.close()
+    return 0
+
+
 def run_batch_bench(args: argparse.Namespace) -> int:
     """Fill a service process, then time engine steps at each batch size and budget, both paths side by side."""
     batches, budgets = args.batch or [1, 8, 32, 128, 256], args.budget or [16, 32]
-    requests = load_dataset("sharegpt", FILL + HELD)
-    held, fill = requests[-HELD:], requests[:-HELD]
+    extra = SUSTAINED if args.sustain > 0 or args.core > 0 else 0
+    requests = load_dataset("sharegpt", FILL + HELD + extra)
+    fill, held, sustained = requests[:FILL], requests[FILL:FILL + HELD], requests[FILL + HELD:]
+    if args.core > 0:
+        return run_core_bench(args, fill, sustained, batches, budgets[0])
     with tempfile.TemporaryDirectory(prefix="drafter-bench-") as tmp:
         svc = ServiceProcess(Path(tmp) / "data", capacity=int(args.tokens * 1.3) + 1024)
         svc.start()
@@ -232,6 +352,10 @@ def run_batch_bench(args: argparse.Namespace) -> int:
                         print(f"| {b} | {budget} | {single:.2f} | {batch:.2f} | {single / batch:.1f}× | "
                               f"{b / batch * 1e3:,.0f} | {packed:.2f} | {b / packed * 1e3:,.0f} |{bare}{rate}",
                               flush=True)
+                if args.sustain > 0:
+                    for b in batches:
+                        used = _sustain(stub, sustained, b, budgets[0], args.sustain)
+                        sustained = sustained[used:]
         finally:
             svc.stop()
     return 0
