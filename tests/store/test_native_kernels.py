@@ -425,6 +425,24 @@ def _scanned(store: TokenStore, ctx: np.ndarray, max_match: int, max_occurrences
                                 max_occurrences, depth, store.max_candidates, store.max_examined, None)
 
 
+def _lookup_as_scanned(store: TokenStore, rng: np.random.Generator, held: np.ndarray, longest: int) -> None:
+    """Look up a random context of up to ``longest`` - 1 tokens of ``held`` with random arguments: the answer
+    (through the store's Tail) is the scan's and numpy's."""
+    cut = int(rng.integers(1, held.size))
+    ctx = held[max(0, cut - int(rng.integers(1, longest))):cut]
+    ctx = ctx[ctx >= 0]
+    if not ctx.size:
+        return
+    args = (int(rng.integers(1, 12)), int(rng.integers(1, 40)), int(rng.integers(0, 8)))
+    got = store.lookup(ctx, *args)
+    scanned = _scanned(store, ctx, *args)
+    assert scanned is not NotImplemented
+    assert_same(got, Continuations(*scanned) if scanned is not None else Continuations(0, np.zeros(0, np.int64),
+                                                                                     np.zeros((0, 0), np.int32)))
+    with numpy_only():
+        assert_same(got, store.lookup(ctx, *args))
+
+
 def _eager_tail(store: TokenStore) -> KERNELS.Tail:
     """Give ``store`` a Tail whose lookups bring its lists up to date whenever that adds at most TAIL_LISTS tokens
     (``add_cost`` 0), whatever the scans would cost: the lists answer every lookup they can."""
@@ -445,20 +463,7 @@ def test_tail_lists_answer_as_the_scan_as_tokens_arrive(seed: int) -> None:
         _fill(store, rng, 1, (3, 5)[seed])
         if step % 70 == 69:
             store.rebuild("delta" if step % 140 == 69 else "main")
-        held = store.ring.read(store.ring.oldest, store.ring.end)
-        cut = int(rng.integers(1, held.size))
-        ctx = held[max(0, cut - int(rng.integers(1, 12))):cut]
-        ctx = ctx[ctx >= 0]
-        if not ctx.size:
-            continue
-        args = (int(rng.integers(1, 12)), int(rng.integers(1, 40)), int(rng.integers(0, 8)))
-        got = store.lookup(ctx, *args)
-        scanned = _scanned(store, ctx, *args)
-        assert scanned is not NotImplemented
-        assert_same(got, Continuations(*scanned) if scanned is not None else Continuations(0, np.zeros(0, np.int64),
-                                                                                         np.zeros((0, 0), np.int32)))
-        with numpy_only():
-            assert_same(got, store.lookup(ctx, *args))
+        _lookup_as_scanned(store, rng, store.ring.read(store.ring.oldest, store.ring.end), 12)
     assert tail.start <= max(store.indexed_end, store.ring.oldest) and tail.end == store.ring.end
 
 
@@ -506,20 +511,8 @@ def test_tail_lists_kept_up_to_date_answer_for_a_long_tail(seed: int) -> None:
     for step in range(120):
         store.append(rng.integers(0, (6, 40)[seed], int(rng.integers(500, 3000))))
         for _ in range(16):  # enough lookups a step that bringing the lists up to date pays
-            held = store.ring.read(max(store.ring.oldest, store.ring.end - 4000), store.ring.end)
-            cut = int(rng.integers(2, held.size))
-            ctx = held[max(0, cut - int(rng.integers(1, 10))):cut]
-            ctx = ctx[ctx >= 0]
-            if not ctx.size:
-                continue
-            args = (int(rng.integers(1, 12)), int(rng.integers(1, 40)), int(rng.integers(0, 8)))
-            got = store.lookup(ctx, *args)
-            scanned = _scanned(store, ctx, *args)
-            assert scanned is not NotImplemented
-            assert_same(got, Continuations(*scanned) if scanned is not None else Continuations(
-                0, np.zeros(0, np.int64), np.zeros((0, 0), np.int32)))
-            with numpy_only():
-                assert_same(got, store.lookup(ctx, *args))
+            _lookup_as_scanned(store, rng, store.ring.read(max(store.ring.oldest, store.ring.end - 4000),
+                                                           store.ring.end), 10)
         if store.unindexed > KERNELS.TAIL_LISTS:
             assert tail.end == store.ring.end  # the lists answered, not a scan
             answered += 1
