@@ -1505,7 +1505,7 @@ static int tail_worth(TailObject *T, int64_t oldest, int64_t from, int64_t stop)
 
 /* Covers [from, stop) of the ring (from >= oldest): indexes what arrived since the last call after dropping the
  * positions before ``from`` once they are most of the lists, or starts over from ``from`` when the lists have a
- * gap (see tail_cheap for what that costs). */
+ * gap (see tail_worth for when it runs). */
 static int tail_sync(TailObject *T, const Ring *r, int64_t oldest, int64_t from, int64_t stop) {
     if (tail_gap(T, oldest, from))
         tail_rebase(T, from);
