@@ -25,6 +25,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of process group ``pgid`` still runs."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text exposition -> each sample name's value summed over its label sets.
 
@@ -161,16 +172,21 @@ class VllmApiServer:
         return {name: samples.get(f"{name}_total", 0.0) for name in COUNTERS}
 
     def stop(self, timeout: float = 60.0) -> None:
-        """SIGTERM (vLLM shuts its engine down), then SIGKILL to the server's process group after ``timeout``."""
+        """SIGTERM (vLLM shuts its engine down), then SIGKILL to what is left of the server's process group once the
+        server and its engine processes have exited, or after ``timeout``. An engine killed while it shuts down
+        leaves its shared memory (``/dev/shm/psm_*``, hundreds of MB) behind: the group gets the whole ``timeout``."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
+        deadline = time.monotonic() + timeout
         if proc.poll() is None:
             proc.terminate()
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
+        while _group_alive(proc.pid) and time.monotonic() < deadline:  # the engine core and workers finish
+            time.sleep(0.2)
         try:  # the engine core and workers are in the server's group: none outlives it
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
