@@ -87,6 +87,16 @@ class Engine:
             self.client.end(sid, accepted)
 
 
+def _greedy_accepted(tokens: list[int], parents: list[int], lo: int, hi: int, output: list[int], pos: int) -> int:
+    """Draft tokens greedy verification accepts from a packed tree (nodes ``lo`` to ``hi - 1`` of ``tokens`` and
+    ``parents``, parents relative to ``lo``, each before its children): its branch along ``output[pos:]``."""
+    node, n = -1, 0
+    for i in range(lo, hi):
+        if pos + n < len(output) and parents[i] == node and tokens[i] == output[pos + n]:
+            node, n = i - lo, n + 1
+    return n
+
+
 class WireEngine:
     """B requests in flight as a bare load generator keeps them: one packed DraftBatch per step, straight on the
     stub, the reply read whole with ``numpy.frombuffer`` (no tree object per session); sessions start and end
@@ -121,11 +131,7 @@ class WireEngine:
         tokens, links = token_ids.tolist(), parents.tolist()
         for k, slot in enumerate(self.slots):
             sid, out, pos, _ = slot
-            lo, hi = offsets[k], offsets[k + 1]
-            node, n = -1, 0
-            for i in range(lo, hi):  # every parent comes before its children
-                if pos + n < len(out) and links[i] == node and tokens[i] == out[pos + n]:
-                    node, n = i - lo, n + 1
+            n = _greedy_accepted(tokens, links, offsets[k], offsets[k + 1], out, pos)
             slot[3] = out[pos:pos + n + 1]
             slot[2] = pos + len(slot[3])
             if slot[2] >= len(out):
@@ -227,10 +233,7 @@ def _core_block(drafter: Drafter, slots: list[list], budget: int, steps: int, po
         tokens, links = out.token_ids.tolist(), out.parents.tolist()
         for k, slot in enumerate(slots):
             sess, output, pos, _ = slot
-            node, n = -1, 0
-            for i in range(out.offsets[k], out.offsets[k + 1]):  # every parent comes before its children
-                if pos + n < len(output) and links[i] == node and tokens[i] == output[pos + n]:
-                    node, n = i - out.offsets[k], n + 1
+            n = _greedy_accepted(tokens, links, out.offsets[k], out.offsets[k + 1], output, pos)
             slot[3] = np.asarray(output[pos:pos + n + 1], np.int32)
             slot[2] = pos + len(slot[3])
             if slot[2] >= len(output):
