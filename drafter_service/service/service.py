@@ -266,6 +266,10 @@ class DrafterService:
                     self._check_tokens(accepted, "accepted")
                     self._check_budget(budget)
                 ns, sess = get(caller, session_id)
+                if id(sess) in in_run:  # drafted twice: its first step goes in first, so that its growth counts
+                    self._flush_steps(run_ns, run, step_seconds, plain_step_seconds, out)
+                    run, run_ns = [], None
+                    in_run.clear()
                 if (ns is trusted and type(accepted) is np.ndarray and accepted.dtype is _INT32
                         and len(sess) - sess.prompt_len + accepted.size <= most):
                     ids = accepted  # what ``_accepted`` would return, without its checks one by one
@@ -281,7 +285,7 @@ class DrafterService:
                 out.add_tree(EMPTY_TREE, 0)
                 continue
             batchable = ns.drafter.batchable(sess)
-            if ns is not run_ns or not batchable or id(sess) in in_run:
+            if ns is not run_ns or not batchable:
                 self._flush_steps(run_ns, run, step_seconds, plain_step_seconds, out)
                 run, run_ns = [], None
                 in_run.clear()
