@@ -32,6 +32,17 @@ static PyObject *dtype_i32; /* numpy.dtype("int32") */
 
 /* ---- small helpers -------------------------------------------------------------------------------- */
 
+/* Set while a shared lookup runs on this thread (see KernelsCAPI): lookups then raise nothing, since the batched
+ * step runs them on helper threads that have no Python thread state, and the step raises MemoryError for them. */
+static _Thread_local int quiet;
+
+/* Out of memory: MemoryError unless quiet (lookups' working memory comes from the raw allocator, which any thread
+ * may use). Returns -1. */
+static int nomem(void) {
+    if (!quiet) PyErr_NoMemory();
+    return -1;
+}
+
 typedef struct {
     int64_t *v;
     Py_ssize_t n, cap;
@@ -41,11 +52,8 @@ static int vec_reserve(Vec *a, Py_ssize_t need) {
     if (need <= a->cap) return 0;
     Py_ssize_t c = a->cap ? a->cap : 64;
     while (c < need) c *= 2;
-    int64_t *p = PyMem_Realloc(a->v, (size_t)c * sizeof(int64_t));
-    if (p == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    int64_t *p = PyMem_RawRealloc(a->v, (size_t)c * sizeof(int64_t));
+    if (p == NULL) return nomem();
     a->v = p;
     a->cap = c;
     return 0;
@@ -58,7 +66,7 @@ static inline int vec_push(Vec *a, int64_t x) {
 }
 
 static void vec_free(Vec *a) {
-    PyMem_Free(a->v);
+    PyMem_RawFree(a->v);
     a->v = NULL;
     a->n = a->cap = 0;
 }
@@ -651,7 +659,7 @@ static void seg_init(Seg *s, int64_t *counts) {
 
 static void seg_free(Seg *s) {
     vec_free(&s->ends);
-    PyMem_Free(s->live);
+    PyMem_RawFree(s->live);
     s->live = NULL;
     s->cnt = NULL;
     s->mapcap = 0;
@@ -662,11 +670,8 @@ static int seg_map_reserve(Seg *s, Py_ssize_t words) {
     if (words <= s->mapcap) return 0;
     Py_ssize_t c = s->mapcap ? s->mapcap : 64;
     while (c < words) c *= 2;
-    void *p = PyMem_Realloc(s->live, (size_t)c * (sizeof(uint64_t) + 1));
-    if (p == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    void *p = PyMem_RawRealloc(s->live, (size_t)c * (sizeof(uint64_t) + 1));
+    if (p == NULL) return nomem();
     s->live = p;
     s->cnt = (uint8_t *)(s->live + c);
     s->mapcap = c;
@@ -1218,11 +1223,8 @@ static int range_most_recent(const IndexObject *ix, Py_ssize_t lo, Py_ssize_t hi
         level++;
     }
     int32_t heap_stack[256];
-    int32_t *heap = keep <= 256 ? heap_stack : PyMem_Malloc((size_t)keep * sizeof(int32_t));
-    if (heap == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    int32_t *heap = keep <= 256 ? heap_stack : PyMem_RawMalloc((size_t)keep * sizeof(int32_t));
+    if (heap == NULL) return nomem();
     int rc = 0;
     for (;;) {
         Py_ssize_t n = keep_smallest(ix, work->v, work->n, keep, heap), opened = 0;
@@ -1249,7 +1251,7 @@ static int range_most_recent(const IndexObject *ix, Py_ssize_t lo, Py_ssize_t hi
         memmove(p, p + n, (size_t)(w - n) * sizeof(int64_t));
         work->n = w - n;
     }
-    if (heap != heap_stack) PyMem_Free(heap);
+    if (heap != heap_stack) PyMem_RawFree(heap);
     if (rc < 0) return -1;
     if (vec_reserve(out, out->n + work->n) < 0) return -1;
     int64_t top = ix->end - 1;
@@ -1657,8 +1659,8 @@ static void lookup_clear(Lookup *L) {
     vec_free(&L->sample);
     vec_free(&L->work);
     for (int i = 0; i < 3; i++) seg_free(&L->segs[i]);
-    PyMem_Free(L->mem);
-    PyMem_Free(L->rows);
+    PyMem_RawFree(L->mem);
+    PyMem_RawFree(L->rows);
     memset(L, 0, sizeof(*L));
 }
 
@@ -1667,11 +1669,8 @@ static int lookup_mem(Lookup *L, Py_ssize_t n) {
     if (n <= L->memcap) return 0;
     Py_ssize_t c = L->memcap ? L->memcap : 4 * STACK_TOKENS;
     while (c < n) c *= 2;
-    int64_t *p = PyMem_Realloc(L->mem, (size_t)c * sizeof(int64_t));
-    if (p == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    int64_t *p = PyMem_RawRealloc(L->mem, (size_t)c * sizeof(int64_t));
+    if (p == NULL) return nomem();
     L->mem = p;
     L->memcap = c;
     return 0;
@@ -1696,11 +1695,8 @@ static int lookup_rows(Lookup *L, int64_t m, const int64_t *counts, const Ring *
     if (need > L->rowscap) {
         Py_ssize_t c = L->rowscap ? L->rowscap : 1024;
         while (c < need) c *= 2;
-        int32_t *p = PyMem_Realloc(L->rows, (size_t)c * sizeof(int32_t));
-        if (p == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
+        int32_t *p = PyMem_RawRealloc(L->rows, (size_t)c * sizeof(int32_t));
+        if (p == NULL) return nomem();
         L->rows = p;
         L->rowscap = c;
     }
@@ -1709,25 +1705,38 @@ static int lookup_rows(Lookup *L, int64_t m, const int64_t *counts, const Ring *
     return 0;
 }
 
+/* The first unindexed position a store lookup searches: after the indexes, and at most the tail's window (or
+ * TAIL_WINDOW) before ``stop`` (bounded work: only the newest unindexed tokens). */
+static int64_t tail_from(const IndexObject *delta, const IndexObject *main_ix, const TailObject *tail, int64_t oldest,
+                         int64_t stop) {
+    int64_t idx_end = delta ? delta->end : (main_ix ? main_ix->end : 0), from = idx_end > oldest ? idx_end : oldest;
+    int64_t window = tail ? tail->window : TAIL_WINDOW;
+    return stop - from > window ? stop - window : from;
+}
+
+/* Whether the lists answer for [from, stop) as they are, with nothing to add or drop first. */
+static int tail_covers(const TailObject *T, int64_t oldest, int64_t from, int64_t stop) {
+    return !tail_gap(T, oldest, from) && T->end >= stop;
+}
+
 /* TokenStore.lookup for a context already reversed into L->mem (clen >= 1 tokens, all in [0, INT32_MAX]).
- * Returns 0 (out->m == 0: nothing matched), 1 for arguments it does not handle, -1 on error. */
+ * ``shared``: the tail's lists are only read (searched when they cover the unindexed tokens, else those are
+ * scanned), so that lookups can run on several threads at once; else the lookup keeps them up to date as
+ * tail_worth says. The same answer either way. Returns 0 (out->m == 0: nothing matched), 1 for arguments it does
+ * not handle, -1 on error. */
 static int store_core(Lookup *L, Py_ssize_t clen, const Ring *r, int64_t oldest, int64_t stop, IndexObject *delta,
                       IndexObject *main_ix, TailObject *tail, int64_t max_occ, int64_t depth, int64_t max_cand,
-                      int64_t max_exam, LookupResult *out) {
+                      int64_t max_exam, int shared, LookupResult *out) {
     out->m = 0;
     int64_t *cv = L->mem;
     Seg *segs = L->segs;
     for (int i = 0; i < 3; i++) seg_reset(&segs[i], cv + (i + 1) * clen); /* tail, delta, main */
-    int64_t idx_end = delta ? delta->end : (main_ix ? main_ix->end : 0), from = idx_end > oldest ? idx_end : oldest;
-    int64_t window = tail ? tail->window : TAIL_WINDOW;
-    if (stop - from > window) from = stop - window; /* bounded work: only the newest unindexed tokens */
-    if (tail && from < stop && tail_worth(tail, oldest, from, stop)) {
-        if (tail_sync(tail, r, oldest, from, stop) < 0 ||
-            tail_core(tail, r, from, stop, cv, clen, clen, oldest, &segs[0], &L->lens) < 0)
-            return -1;
-    } else if (scan_core(r, from, stop, cv, clen, clen, oldest, &segs[0], &L->lens) < 0) {
+    int64_t from = tail_from(delta, main_ix, tail, oldest, stop);
+    int lists = tail && from < stop && (shared ? tail_covers(tail, oldest, from, stop) : tail_worth(tail, oldest, from, stop));
+    if (lists && !shared && tail_sync(tail, r, oldest, from, stop) < 0) return -1;
+    if (lists ? tail_core(tail, r, from, stop, cv, clen, clen, oldest, &segs[0], &L->lens) < 0
+              : scan_core(r, from, stop, cv, clen, clen, oldest, &segs[0], &L->lens) < 0)
         return -1;
-    }
     if (delta && index_core(delta, cv, clen, clen, r, oldest, max_cand, &segs[1], &L->lens) < 0) return -1;
     if (main_ix && index_core(main_ix, cv, clen, clen, r, oldest, max_cand, &segs[2], &L->lens) < 0) return -1;
     int64_t m = 0;
@@ -1853,7 +1862,7 @@ static PyObject *py_store_lookup(PyObject *mod, PyObject *const *args, Py_ssize_
     Ring r = {(const int32_t *)ring.view.buf, ring.n, 0};
     ring_set_base(&r, oldest);
     LookupResult found;
-    int rc = store_core(L, clen, &r, oldest, stop, delta, main_ix, tail, max_occ, depth, max_cand, max_exam, &found);
+    int rc = store_core(L, clen, &r, oldest, stop, delta, main_ix, tail, max_occ, depth, max_cand, max_exam, 0, &found);
     if (rc >= 0) res = rc ? not_implemented() : lookup_tuple(&found);
 done:
     int_release(&ring);
@@ -1908,24 +1917,36 @@ typedef struct {
     /* DraftSession.lookup over tokens[:n] (the session's buffer holds cap >= n tokens). */
     int (*session_lookup)(Lookup *L, const int32_t *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
                           int64_t max_occ, int64_t depth, LookupResult *out);
+    /* Lookups that may run on several threads at once, on threads without a Python thread state too (each with
+     * its own Lookup): store_lookup that only reads the Tail, after store_prepare (GIL held) brought its lists up to
+     * date for ``lookups`` lookups when that many one after another would have, and session_lookup. They raise
+     * nothing: -1 means out of memory. store_prepare returns 0, or -1 with an exception set. */
+    int (*store_lookup_shared)(Lookup *L, const int32_t *context, Py_ssize_t n, const int32_t *ring, Py_ssize_t cap,
+                               int64_t oldest, int64_t stop, PyObject *delta, PyObject *main_ix, PyObject *tail,
+                               int64_t max_match, int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
+                               LookupResult *out);
+    int (*session_lookup_shared)(Lookup *L, const int32_t *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
+                                 int64_t max_occ, int64_t depth, LookupResult *out);
+    int (*store_prepare)(const int32_t *ring, Py_ssize_t cap, int64_t oldest, int64_t stop, PyObject *delta,
+                         PyObject *main_ix, PyObject *tail, Py_ssize_t lookups);
 } KernelsCAPI;
 
 static Lookup *capi_lookup_new(void) {
-    Lookup *L = PyMem_Calloc(1, sizeof(Lookup));
-    if (L == NULL) PyErr_NoMemory();
+    Lookup *L = PyMem_RawCalloc(1, sizeof(Lookup));
+    if (L == NULL) nomem();
     return L;
 }
 
 static void capi_lookup_free(Lookup *L) {
     if (L == NULL) return;
     lookup_clear(L);
-    PyMem_Free(L);
+    PyMem_RawFree(L);
 }
 
-static int capi_store_lookup(Lookup *L, const int32_t *context, Py_ssize_t n, const int32_t *ring, Py_ssize_t cap,
-                             int64_t oldest, int64_t stop, PyObject *delta_o, PyObject *main_o, PyObject *tail_o,
-                             int64_t max_match, int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
-                             LookupResult *out) {
+static int store_lookup_as(int shared, Lookup *L, const int32_t *context, Py_ssize_t n, const int32_t *ring,
+                           Py_ssize_t cap, int64_t oldest, int64_t stop, PyObject *delta_o, PyObject *main_o,
+                           PyObject *tail_o, int64_t max_match, int64_t max_occ, int64_t depth, int64_t max_cand,
+                           int64_t max_exam, LookupResult *out) {
     out->m = 0;
     IndexObject *delta, *main_ix;
     TailObject *tail;
@@ -1942,7 +1963,42 @@ static int capi_store_lookup(Lookup *L, const int32_t *context, Py_ssize_t n, co
     }
     Ring r = {ring, cap, 0};
     ring_set_base(&r, oldest);
-    return store_core(L, clen, &r, oldest, stop, delta, main_ix, tail, max_occ, depth, max_cand, max_exam, out);
+    return store_core(L, clen, &r, oldest, stop, delta, main_ix, tail, max_occ, depth, max_cand, max_exam, shared,
+                      out);
+}
+
+static int capi_store_lookup(Lookup *L, const int32_t *context, Py_ssize_t n, const int32_t *ring, Py_ssize_t cap,
+                             int64_t oldest, int64_t stop, PyObject *delta_o, PyObject *main_o, PyObject *tail_o,
+                             int64_t max_match, int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
+                             LookupResult *out) {
+    return store_lookup_as(0, L, context, n, ring, cap, oldest, stop, delta_o, main_o, tail_o, max_match, max_occ,
+                           depth, max_cand, max_exam, out);
+}
+
+static int capi_store_lookup_shared(Lookup *L, const int32_t *context, Py_ssize_t n, const int32_t *ring,
+                                    Py_ssize_t cap, int64_t oldest, int64_t stop, PyObject *delta_o, PyObject *main_o,
+                                    PyObject *tail_o, int64_t max_match, int64_t max_occ, int64_t depth,
+                                    int64_t max_cand, int64_t max_exam, LookupResult *out) {
+    quiet = 1;
+    int rc = store_lookup_as(1, L, context, n, ring, cap, oldest, stop, delta_o, main_o, tail_o, max_match, max_occ,
+                             depth, max_cand, max_exam, out);
+    quiet = 0;
+    return rc;
+}
+
+static int capi_store_prepare(const int32_t *ring, Py_ssize_t cap, int64_t oldest, int64_t stop, PyObject *delta_o,
+                              PyObject *main_o, PyObject *tail_o, Py_ssize_t lookups) {
+    IndexObject *delta, *main_ix;
+    TailObject *tail;
+    if (!index_arg(delta_o, &delta) || !index_arg(main_o, &main_ix) || !tail_arg(tail_o, &tail) || cap < 1 || !tail)
+        return 0;
+    int64_t from = tail_from(delta, main_ix, tail, oldest, stop);
+    if (from >= stop) return 0;
+    Ring r = {ring, cap, 0};
+    ring_set_base(&r, oldest);
+    for (Py_ssize_t i = 0; i < lookups; i++) /* as that many lookups one after another would, scans counted */
+        if (tail_worth(tail, oldest, from, stop)) return tail_sync(tail, &r, oldest, from, stop);
+    return 0;
 }
 
 static int capi_session_lookup(Lookup *L, const int32_t *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
@@ -1953,8 +2009,17 @@ static int capi_session_lookup(Lookup *L, const int32_t *tokens, Py_ssize_t cap,
     return session_core(L, tokens, cap, n, max_match, max_occ, depth < 0 ? 0 : depth, out);
 }
 
+static int capi_session_lookup_shared(Lookup *L, const int32_t *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
+                                      int64_t max_occ, int64_t depth, LookupResult *out) {
+    quiet = 1;
+    int rc = capi_session_lookup(L, tokens, cap, n, max_match, max_occ, depth, out);
+    quiet = 0;
+    return rc;
+}
+
 static KernelsCAPI kernels_capi = {sizeof(KernelsCAPI), capi_lookup_new, capi_lookup_free, capi_store_lookup,
-                                   capi_session_lookup};
+                                   capi_session_lookup, capi_store_lookup_shared, capi_session_lookup_shared,
+                                   capi_store_prepare};
 
 PyDoc_STRVAR(simd_doc,
 "simd(name=None) -> str\n\n"

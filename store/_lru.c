@@ -1156,20 +1156,32 @@ typedef struct {
     /* LRUTable.update(tokens[:n], new_from) over raw int32 tokens: the pairs inserted, or -1 with ValueError
      * set for a token id outside [0, 2**31) among those read (nothing is inserted then). */
     Py_ssize_t (*update)(PyObject *table, const int32_t *tokens, Py_ssize_t n, Py_ssize_t new_from);
+    /* query that leaves the leader's recency alone: it only reads the table, so several threads may peek at once
+     * while nothing changes it. *where: the leader's node for ``touch`` (NIL when unknown). */
+    int (*peek)(PyObject *table, const int32_t *leader, int limit, int32_t *out_tokens, int64_t *out_counts,
+                int *fl_out, uint32_t *where);
+    /* Refreshes ``leader`` (found at node ``where`` by a peek, or looked up again when the table changed since),
+     * as the query it stands for would have; nothing for a leader the table no longer holds. */
+    void (*touch)(PyObject *table, const int32_t *leader, uint32_t where);
 } LRUTableCAPI;
 
-static int capi_query(PyObject *obj, const int32_t *leader, int limit, int32_t *out_tokens, int64_t *out_counts,
-                      int *fl_out) {
-    LRUTable *t = (LRUTable *)obj;
+static void refresh(LRUTable *t, uint32_t idx) {
     Core *c = &t->c;
-    *fl_out = t->fl;
-    uint32_t idx = core_find(c, leader, hash_key(leader, t->ll), t->ll);
-    if (idx == NIL) return 0;
     if (c->tail != idx) {
         list_unlink(c, idx);
         list_append(c, idx);
         t->version++;
     }
+}
+
+static int capi_peek(PyObject *obj, const int32_t *leader, int limit, int32_t *out_tokens, int64_t *out_counts,
+                     int *fl_out, uint32_t *where) {
+    LRUTable *t = (LRUTable *)obj;
+    const Core *c = &t->c;
+    *fl_out = t->fl;
+    uint32_t idx = core_find(c, leader, hash_key(leader, t->ll), t->ll);
+    *where = idx;
+    if (idx == NIL) return 0;
     const Leader *L = &c->nodes[idx];
     int k = (int)L->nfol < limit ? (int)L->nfol : limit;
     for (int i = 0; i < k; i++) {
@@ -1177,6 +1189,22 @@ static int capi_query(PyObject *obj, const int32_t *leader, int limit, int32_t *
         memcpy(out_tokens + (size_t)i * t->fl, r, (size_t)t->fl * sizeof(int32_t));
         out_counts[i] = rec_count(r, t->fl);
     }
+    return k;
+}
+
+static void capi_touch(PyObject *obj, const int32_t *leader, uint32_t where) {
+    LRUTable *t = (LRUTable *)obj;
+    const Core *c = &t->c;
+    if (where == NIL || where >= c->n || !tokens_equal(c->nodes[where].key, leader, t->ll))
+        where = core_find(c, leader, hash_key(leader, t->ll), t->ll);
+    if (where != NIL) refresh(t, where);
+}
+
+static int capi_query(PyObject *obj, const int32_t *leader, int limit, int32_t *out_tokens, int64_t *out_counts,
+                      int *fl_out) {
+    uint32_t where;
+    int k = capi_peek(obj, leader, limit, out_tokens, out_counts, fl_out, &where);
+    if (where != NIL) refresh((LRUTable *)obj, where);
     return k;
 }
 
@@ -1198,7 +1226,7 @@ static Py_ssize_t capi_update(PyObject *obj, const int32_t *tokens, Py_ssize_t n
     return pairs;
 }
 
-static LRUTableCAPI c_api = {&LRUTableType, capi_query, capi_leader_len, capi_update};
+static LRUTableCAPI c_api = {&LRUTableType, capi_query, capi_leader_len, capi_update, capi_peek, capi_touch};
 
 static struct PyModuleDef lru_module = {
     PyModuleDef_HEAD_INIT,
