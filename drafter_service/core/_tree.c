@@ -8,6 +8,8 @@
 #include <math.h>
 #include <time.h>
 
+#include "_workers.h"
+
 /* Evidence-key layout, identical to drafter_service/core/acceptance.py. */
 #define N_MATCH 10
 #define N_SHARE 5
@@ -36,19 +38,29 @@ static double table_prior(int kind) { return kind == 2 ? 0.3 : 0.15; }
 
 typedef struct { void *data; Py_ssize_t len, cap, item; } Buf;
 
+/* Set on a thread while it drafts a batched step's sessions beside others (see steps): running out of memory then
+ * raises nothing, since helper threads have no Python thread state; the step raises MemoryError for them. */
+static _Thread_local int quiet;
+
+/* Out of memory: MemoryError unless quiet (buffers come from the raw allocator, which any thread may use); -1. */
+static int nomem(void) {
+    if (!quiet) PyErr_NoMemory();
+    return -1;
+}
+
 static int buf_reserve(Buf *b, Py_ssize_t extra) {
     if (b->len + extra <= b->cap) return 0;
     Py_ssize_t cap = b->cap ? b->cap : 64;
     while (cap < b->len + extra) cap *= 2;
-    void *d = PyMem_Realloc(b->data, (size_t)(cap * b->item));
-    if (!d) { PyErr_NoMemory(); return -1; }
+    void *d = PyMem_RawRealloc(b->data, (size_t)(cap * b->item));
+    if (!d) return nomem();
     b->data = d;
     b->cap = cap;
     return 0;
 }
 #define BUF(T) {NULL, 0, 0, sizeof(T)}
 #define AT(b, T, i) (((T *)(b).data)[i])
-static void buf_free(Buf *b) { PyMem_Free(b->data); b->data = NULL; b->len = b->cap = 0; }
+static void buf_free(Buf *b) { PyMem_RawFree(b->data); b->data = NULL; b->len = b->cap = 0; }
 
 /* ---- candidates and the heap --------------------------------------------------------------- */
 
@@ -79,10 +91,12 @@ typedef struct {
     const double *acc, *trials;
     int max_nodes, max_depth, branch;
     double min_prob;
+    int defer;  /* native tables are only read (peeked); their leaders' refreshes go to ``touches`` for later */
     /* state */
     Buf cands, heap, row_pool, st_pool, tok_pool, ev_key, ev_prior;
     Buf children, scratch_rows, scratch_st, gathered_rows, gathered_st;
     Buf out_tok, out_parent, out_prob, out_kinds, out_ev_off, out_ev_key, out_ev_prior;
+    Buf touches;  /* int: (table, where, leader[leader_len]) per native query, in query order */
     long seq;
 } Builder;
 
@@ -174,8 +188,12 @@ typedef struct {
     int (*query)(PyObject *table, const int *leader, int limit, int *out_tokens, int64_t *out_counts, int *fl_out);
     int (*leader_len)(PyObject *table);
     Py_ssize_t (*update)(PyObject *table, const int *tokens, Py_ssize_t n, Py_ssize_t new_from);
+    int (*peek)(PyObject *table, const int *leader, int limit, int *out_tokens, int64_t *out_counts, int *fl_out,
+                uint32_t *where);
+    void (*touch)(PyObject *table, const int *leader, uint32_t where);
 } LRUTableCAPI;
 static LRUTableCAPI *lru_api;
+#define LRU_NIL UINT32_MAX  /* a peek's ``where`` for an unknown leader */
 
 /* The store kernels' C API (store._kernels), when that extension is built: the same layout as there. */
 typedef struct Lookup Lookup;
@@ -195,6 +213,14 @@ typedef struct {
                         LookupResult *out);
     int (*session_lookup)(Lookup *L, const int *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
                           int64_t max_occ, int64_t depth, LookupResult *out);
+    int (*store_lookup_shared)(Lookup *L, const int *context, Py_ssize_t n, const int *ring, Py_ssize_t cap,
+                               int64_t oldest, int64_t stop, PyObject *delta, PyObject *main_ix, PyObject *tail,
+                               int64_t max_match, int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
+                               LookupResult *out);
+    int (*session_lookup_shared)(Lookup *L, const int *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
+                                 int64_t max_occ, int64_t depth, LookupResult *out);
+    int (*store_prepare)(const int *ring, Py_ssize_t cap, int64_t oldest, int64_t stop, PyObject *delta,
+                         PyObject *main_ix, PyObject *tail, Py_ssize_t lookups);
 } KernelsCAPI;
 static KernelsCAPI *kernels_api;
 static PyObject *query_name;
@@ -228,8 +254,21 @@ static int query_native(Builder *B, int t, int kind, const int *leader) {
     int limit = B->table_branch[t] < 256 ? B->table_branch[t] : 256;
     if (buf_reserve(&B->tok_pool, (Py_ssize_t)limit * 8) < 0) return -1;
     int fl = 0;
-    int base = (int)B->tok_pool.len;
-    int k = lru_api->query(B->tables[t], leader, limit, &AT(B->tok_pool, int, base), counts, &fl);
+    int base = (int)B->tok_pool.len, k;
+    if (B->defer) {
+        uint32_t where;
+        k = lru_api->peek(B->tables[t], leader, limit, &AT(B->tok_pool, int, base), counts, &fl, &where);
+        if (where != LRU_NIL) {
+            if (buf_reserve(&B->touches, 2 + B->leader_len) < 0) return -1;
+            int *rec = &AT(B->touches, int, B->touches.len);
+            rec[0] = t;
+            memcpy(rec + 1, &where, sizeof where);
+            memcpy(rec + 2, leader, sizeof(int) * (size_t)B->leader_len);
+            B->touches.len += 2 + B->leader_len;
+        }
+    } else {
+        k = lru_api->query(B->tables[t], leader, limit, &AT(B->tok_pool, int, base), counts, &fl);
+    }
     B->tok_pool.len += (Py_ssize_t)k * fl;
     for (int rank = 0; rank < k; rank++)
         if (add_table_child(B, t, kind, rank, (long)counts[rank], base + rank * fl, fl) < 0) return -1;
@@ -445,7 +484,7 @@ static int get_model(PyObject *acc_obj, PyObject *trials_obj, Py_buffer *vacc, P
     return 0;
 }
 
-#define N_BUFS 19
+#define N_BUFS 20
 
 static PyObject *list_from_ints(const int *v, Py_ssize_t n) {
     PyObject *t = PyTuple_New(n);
@@ -464,7 +503,8 @@ static PyObject *tuple_from_doubles(const double *v, Py_ssize_t n) {
 static void builder_bufs(Builder *B, Buf **out) {
     Buf *bufs[] = {&B->cands, &B->heap, &B->row_pool, &B->st_pool, &B->tok_pool, &B->ev_key, &B->ev_prior,
                    &B->children, &B->scratch_rows, &B->scratch_st, &B->gathered_rows, &B->gathered_st, &B->out_tok,
-                   &B->out_parent, &B->out_prob, &B->out_kinds, &B->out_ev_off, &B->out_ev_key, &B->out_ev_prior};
+                   &B->out_parent, &B->out_prob, &B->out_kinds, &B->out_ev_off, &B->out_ev_key, &B->out_ev_prior,
+                   &B->touches};
     for (size_t i = 0; i < N_BUFS; i++) out[i] = bufs[i];
 }
 
@@ -472,7 +512,7 @@ static void builder_init(Builder *B) {
     memset(B, 0, sizeof *B);
     Buf init[N_BUFS] = {BUF(Cand), BUF(int), BUF(int), BUF(State), BUF(int), BUF(int), BUF(double), BUF(Child),
                         BUF(RowPair), BUF(StPair), BUF(int), BUF(State), BUF(int), BUF(int), BUF(double), BUF(int),
-                        BUF(int), BUF(int), BUF(double)};
+                        BUF(int), BUF(int), BUF(double), BUF(int)};
     Buf *bufs[N_BUFS];
     builder_bufs(B, bufs);
     for (size_t i = 0; i < N_BUFS; i++) *bufs[i] = init[i];
@@ -696,12 +736,15 @@ static int packed_view(PyObject *obj, Packed *p) {
     return 0;
 }
 
-/* The builder's last tree as a packed draft (NULL on error). */
-static PyObject *pack_tree(const Builder *B) {
+/* Bytes of the builder's last tree as a packed draft. */
+static Py_ssize_t packed_size(const Builder *B) {
     Py_ssize_t n = B->out_tok.len, nev = B->out_ev_key.len;
-    PyObject *obj = PyBytes_FromStringAndSize(NULL, 8 + 4 * (n * 4 + 1 + nev) + 8 * nev);
-    if (!obj) return NULL;
-    char *d = PyBytes_AS_STRING(obj);
+    return 8 + 4 * (n * 4 + 1 + nev) + 8 * nev;
+}
+
+/* The builder's last tree as a packed draft into d (packed_size bytes). */
+static void pack_into(const Builder *B, char *d) {
+    Py_ssize_t n = B->out_tok.len, nev = B->out_ev_key.len;
     int head[2] = {(int)n, (int)nev};
     memcpy(d, head, 8);
     d += 8;
@@ -711,7 +754,6 @@ static PyObject *pack_tree(const Builder *B) {
     memcpy(d, B->out_ev_off.data, 4 * (n + 1)); d += 4 * (n + 1);
     memcpy(d, B->out_ev_key.data, 4 * nev); d += 4 * nev;
     memcpy(d, B->out_ev_prior.data, 8 * nev);
-    return obj;
 }
 
 /* pack(tokens, parents, kinds, ev_offsets, ev_keys, ev_priors) -> a packed draft of a tree built earlier */
@@ -855,86 +897,342 @@ static int match_rows(PyObject *lookup, PyObject *const *args, size_t nargs, PyO
     return 0;
 }
 
-static int append_long(PyObject *list, long v) {
-    PyObject *o = PyLong_FromLong(v);
-    if (!o) return -1;
-    int r = PyList_Append(list, o);
-    Py_DECREF(o);
-    return r;
-}
-
-static int append_double(PyObject *list, double v) {
-    PyObject *o = PyFloat_FromDouble(v);
-    if (!o) return -1;
-    int r = PyList_Append(list, o);
-    Py_DECREF(o);
-    return r;
-}
-
 static long list_long(PyObject *list, Py_ssize_t i) { return PyLong_AsLong(PyList_GET_ITEM(list, i)); }
 
-/* The store's and the session's lookups of a batched step, called straight through the store kernels' C API
- * when the caller passed their native Python functions (else each goes through Python). */
+/* What every session of a batched step reads of the store, and which lookups go straight through the store
+ * kernels' C API (the caller passed their native Python functions; else each goes through Python). */
 typedef struct {
-    Lookup *lookup[2];             /* working memory: the session's and the store's answers stay apart */
-    int session, store;            /* which go native */
-    Py_buffer ring;                /* the store's ring buffer slots, int32 */
+    int session, store;
+    Py_buffer ring;                    /* the store's ring buffer slots, int32 */
     int64_t oldest, end, candidates, examined;
     PyObject *delta, *main_ix, *tail;  /* borrowed from the store arguments */
-} NativeLookups;
+} StoreView;
 
-static void native_lookups_free(NativeLookups *nl) {
-    for (int i = 0; i < 2; i++)
-        if (nl->lookup[i]) kernels_api->lookup_free(nl->lookup[i]);
-    if (nl->ring.obj) PyBuffer_Release(&nl->ring);
-    memset(nl, 0, sizeof(*nl));
+static void store_view_free(StoreView *v) {
+    if (v->ring.obj) PyBuffer_Release(&v->ring);
+    memset(v, 0, sizeof(*v));
 }
 
-static int native_lookups(NativeLookups *nl, PyObject *session_fn, PyObject *store_fn, PyObject *store_args) {
-    memset(nl, 0, sizeof(*nl));
-    if (!kernels_api) return 0;
-    nl->session = session_fn != NULL;
-    if (store_fn) {
-        PyObject *ring = PyTuple_GET_ITEM(store_args, 0);
-        if (PyObject_GetBuffer(ring, &nl->ring, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND) < 0) {
-            PyErr_Clear();
-            nl->ring.obj = NULL;
-        } else if (nl->ring.ndim == 1 && nl->ring.itemsize == 4 && nl->ring.len >= 4 &&
-                   (!nl->ring.format || !strcmp(nl->ring.format, "i") || !strcmp(nl->ring.format, "<i") ||
-                    !strcmp(nl->ring.format, "=i"))) {
-            nl->oldest = PyLong_AsLongLong(PyTuple_GET_ITEM(store_args, 1));
-            nl->end = PyLong_AsLongLong(PyTuple_GET_ITEM(store_args, 2));
-            nl->candidates = PyLong_AsLongLong(PyTuple_GET_ITEM(store_args, 5));
-            nl->examined = PyLong_AsLongLong(PyTuple_GET_ITEM(store_args, 6));
-            if (PyErr_Occurred()) PyErr_Clear();  /* not plain ints: the Python lookup decides */
-            else nl->store = 1;
-            nl->delta = PyTuple_GET_ITEM(store_args, 3);
-            nl->main_ix = PyTuple_GET_ITEM(store_args, 4);
-            nl->tail = PyTuple_GET_ITEM(store_args, 7);
-        }
+static void store_view(StoreView *v, PyObject *session_fn, PyObject *store_fn, PyObject *store_args) {
+    memset(v, 0, sizeof(*v));
+    if (!kernels_api) return;
+    v->session = session_fn != NULL;
+    if (!store_fn) return;
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(store_args, 0), &v->ring, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND) < 0) {
+        PyErr_Clear();
+        v->ring.obj = NULL;
+        return;
     }
-    for (int i = 0; i < 2 && (nl->session || nl->store); i++)
-        if (!(nl->lookup[i] = kernels_api->lookup_new())) return -1;
+    if (v->ring.ndim != 1 || v->ring.itemsize != 4 || v->ring.len < 4 ||
+        (v->ring.format && strcmp(v->ring.format, "i") && strcmp(v->ring.format, "<i") && strcmp(v->ring.format, "=i")))
+        return;
+    v->oldest = PyLong_AsLongLong(PyTuple_GET_ITEM(store_args, 1));
+    v->end = PyLong_AsLongLong(PyTuple_GET_ITEM(store_args, 2));
+    v->candidates = PyLong_AsLongLong(PyTuple_GET_ITEM(store_args, 5));
+    v->examined = PyLong_AsLongLong(PyTuple_GET_ITEM(store_args, 6));
+    if (PyErr_Occurred()) {  /* not plain ints: the Python lookup decides */
+        PyErr_Clear();
+        return;
+    }
+    v->store = 1;
+    v->delta = PyTuple_GET_ITEM(store_args, 3);
+    v->main_ix = PyTuple_GET_ITEM(store_args, 4);
+    v->tail = PyTuple_GET_ITEM(store_args, 7);
+}
+
+/* One thread's working memory for drafting sessions: its lookups (the session's and the store's answers stay
+ * apart), its tree builder, and the trees it drafted in this step (keep_tree). */
+typedef struct {
+    Lookup *lookup[2];
+    Builder B;
+    Buf kept;
+    int ready;
+} Worker;
+
+static int worker_ready(Worker *w) {
+    if (w->ready) return 0;
+    builder_init(&w->B);
+    w->kept = (Buf)BUF(char);
+    w->ready = 1;
+    for (int i = 0; i < 2 && kernels_api; i++)
+        if (!(w->lookup[i] = kernels_api->lookup_new())) return -1;
     return 0;
 }
 
-/* A session's lookup of ``kind`` (0 its own tokens, 1 the store) over tok[:n]: 0 answered into *out, 1 to go
- * through Python, -1 on error. */
-static int native_lookup(NativeLookups *nl, int kind, const int *tok, Py_ssize_t cap, long n, int max_match,
-                         int max_occ, int max_depth, LookupResult *out) {
-    if (kind == 0 && nl->session)
-        return kernels_api->session_lookup(nl->lookup[0], tok, cap, n, max_match, max_occ, max_depth, out);
-    if (kind == 1 && nl->store)
-        return kernels_api->store_lookup(nl->lookup[1], tok, n, (const int *)nl->ring.buf, nl->ring.len / 4,
-                                         nl->oldest, nl->end, nl->delta, nl->main_ix, nl->tail, max_match, max_occ,
-                                         max_depth, nl->candidates, nl->examined, out);
+static void worker_free(Worker *w) {
+    if (!w->ready) return;
+    for (int i = 0; i < 2; i++)
+        if (w->lookup[i]) kernels_api->lookup_free(w->lookup[i]);
+    builder_free(&w->B);
+    buf_free(&w->kept);
+    memset(w, 0, sizeof(*w));
+}
+
+/* Every thread's worker, kept from step to step. ``pool_busy``: a step is using them (a step begun meanwhile, through
+ * Python code the first one runs, drafts on a worker of its own). */
+static Worker pool[WORKERS_MAX];
+static int pool_busy;
+
+/* The table and tree settings every builder of a step shares, from the one that parsed them. */
+static void builder_configure(Builder *B, const Builder *from) {
+    memcpy(B->tables, from->tables, sizeof B->tables);
+    memcpy(B->table_kind, from->table_kind, sizeof B->table_kind);
+    memcpy(B->table_branch, from->table_branch, sizeof B->table_branch);
+    B->ntables = from->ntables;
+    B->leader_len = from->leader_len;
+    B->acc = from->acc;
+    B->trials = from->trials;
+    B->max_depth = from->max_depth;
+    B->min_prob = from->min_prob;
+    B->branch = from->branch;
+    B->defer = 1;
+}
+
+/* Whether every table is a native one queried natively (expand's test): a builder then calls no Python. */
+static int tables_native(const Builder *B) {
+    for (int t = 0; t < B->ntables; t++)
+        if (!lru_api || Py_TYPE(B->tables[t]) != lru_api->type || lru_api->leader_len(B->tables[t]) != B->leader_len)
+            return 0;
     return 1;
 }
 
+/* A drafted tree kept until the step hands it out, in its worker's ``kept``: this head, its packed draft, the
+ * nodes' probabilities (float64) and the table refreshes its queries deferred (Builder.touches), one after another
+ * (read with memcpy: nothing is aligned). */
+typedef struct { Py_ssize_t packed, n, touches; } KeptHead;
+
+/* The builder's tree appended to the worker's kept trees; its offset there, or -1 out of memory. */
+static Py_ssize_t keep_tree(Worker *w) {
+    const Builder *B = &w->B;
+    KeptHead h = {packed_size(B), B->out_tok.len, B->touches.len};
+    Py_ssize_t size = (Py_ssize_t)sizeof h + h.packed + 8 * h.n + (Py_ssize_t)sizeof(int) * h.touches;
+    if (buf_reserve(&w->kept, size) < 0) return -1;
+    Py_ssize_t at = w->kept.len;
+    char *d = (char *)w->kept.data + at;
+    memcpy(d, &h, sizeof h);
+    pack_into(B, d + sizeof h);
+    memcpy(d + sizeof h + h.packed, B->out_prob.data, 8 * (size_t)h.n);
+    if (h.touches) memcpy(d + sizeof h + h.packed + 8 * h.n, B->touches.data, sizeof(int) * (size_t)h.touches);
+    w->kept.len += size;
+    return at;
+}
+
+enum { JOB_IDLE, JOB_DRAFT, JOB_PYTHON, JOB_DONE };
+
+/* One session of a batched step. */
+typedef struct {
+    Py_buffer vb;     /* the session's tokens (int32), held for the whole step */
+    long n, budget, confirmed, scored;
+    int appended;     /* tokens were appended: its last draft is spent */
+    int state;        /* JOB_IDLE: nothing to draft; JOB_DRAFT: to draft; JOB_PYTHON: a lookup must go through
+                       * Python; JOB_DONE: drafted */
+    double ema;
+    int64_t ns;       /* time spent on it */
+    int kept_by;      /* JOB_DONE with nodes: the worker that keeps its tree, at kept_at (else -1) */
+    Py_ssize_t kept_at;
+} Job;
+
+typedef struct {
+    StoreView view;
+    int use_session, use_store, max_match, max_occ, max_depth, ctx_len;  /* ctx_len: context tokens a leader takes */
+    PyObject *session_fn, *store_fn, *store_args, *fallback, *m_o, *occ_o, *dep_o;
+    Job *jobs;
+    Py_ssize_t njobs;
+    Worker *workers;
+    Py_ssize_t next;  /* the next job a worker takes (atomic) */
+    int failed;       /* a worker ran out of memory (atomic) */
+} StepCtx;
+
+/* Drafts job j on worker wi: the session's and the store's lookups, then its tree, kept by the worker. ``python``: the
+ * GIL is held, and lookups the native kernels decline go through the Python functions the caller passed; else
+ * such a job is left JOB_PYTHON for the calling thread, and nothing here touches Python. 0, or -1 on error (raised
+ * when python; else out of memory, which the step raises). */
+static int job_draft(int wi, const StepCtx *sc, Job *j, int python) {
+    int64_t t0 = now_ns();
+    Worker *w = &sc->workers[wi];
+    const int *tok = (const int *)j->vb.buf;
+    Py_ssize_t cap = j->vb.len / 4;
+    long n = j->n;
+    PyObject *rows_o[2] = {NULL, NULL}, *view = NULL, *n_o = NULL;
+    long ml[2] = {0, 0};
+    Py_buffer vr[2] = {{0}, {0}};
+    LookupResult found[2] = {{0}, {0}};
+    int ok = 1;
+    /* No node of a tree of ``budget`` nodes lies deeper than that: longer rows would go unread. */
+    int reach = j->budget < sc->max_depth ? (int)j->budget : sc->max_depth;
+    const StoreView *v = &sc->view;
+    for (int kind = 0; ok && kind < 2; kind++) {
+        if (!(kind ? sc->use_store : sc->use_session)) continue;
+        int rc = 1;
+        if (kind == 0 && v->session)
+            rc = kernels_api->session_lookup_shared(w->lookup[0], tok, cap, n, sc->max_match, sc->max_occ, reach,
+                                                    &found[0]);
+        else if (kind == 1 && v->store)
+            rc = kernels_api->store_lookup_shared(w->lookup[1], tok, n, (const int *)v->ring.buf, v->ring.len / 4,
+                                                  v->oldest, v->end, v->delta, v->main_ix, v->tail, sc->max_match,
+                                                  sc->max_occ, reach, v->candidates, v->examined, &found[1]);
+        if (rc < 0) {
+            if (python && !PyErr_Occurred()) PyErr_NoMemory();
+            ok = 0;
+        } else if (rc == 0) {
+            ml[kind] = (long)found[kind].m;
+        } else if (!python) {
+            j->state = JOB_PYTHON;
+            return 0;
+        } else {  /* through the Python lookup the caller passed (or the fallback it declines to) */
+            PyObject *buf = j->vb.obj;
+            if (!view && (!(view = PySequence_GetSlice(buf, 0, n)) || !(n_o = PyLong_FromLong(n)))) {
+                ok = 0;
+                break;
+            }
+            if (kind == 0) {
+                PyObject *sargs[5] = {buf, n_o, sc->m_o, sc->occ_o, sc->dep_o};
+                ok = match_rows(sc->session_fn, sargs, 5, sc->fallback, 0, view, &ml[0], &rows_o[0]) == 0;
+            } else {
+                PyObject *a = sc->store_args;
+                PyObject *sargs[12] = {view, PyTuple_GET_ITEM(a, 0), PyTuple_GET_ITEM(a, 1), PyTuple_GET_ITEM(a, 2),
+                                       PyTuple_GET_ITEM(a, 3), PyTuple_GET_ITEM(a, 4), sc->m_o, sc->occ_o,
+                                       sc->dep_o, PyTuple_GET_ITEM(a, 5), PyTuple_GET_ITEM(a, 6),
+                                       PyTuple_GET_ITEM(a, 7)};
+                ok = match_rows(sc->store_fn, sargs, 12, sc->fallback, 1, view, &ml[1], &rows_o[1]) == 0;
+            }
+        }
+    }
+    Py_XDECREF(view);
+    Py_XDECREF(n_o);
+    Builder *B = &w->B;
+    builder_clear(B);
+    B->rows[0] = B->rows[1] = NULL;
+    B->nrows[0] = B->nrows[1] = B->width[0] = B->width[1] = 0;
+    for (int kind = 0; ok && kind < 2; kind++) {
+        if (rows_o[kind]) {
+            if (get_rows(rows_o[kind], &vr[kind], &B->rows[kind], &B->nrows[kind], &B->width[kind]) < 0) ok = 0;
+        } else if (found[kind].m) {
+            B->rows[kind] = found[kind].rows;
+            B->nrows[kind] = found[kind].k;
+            B->width[kind] = found[kind].depth;
+        }
+    }
+    int ctx[MAX_LEADER];
+    int cl = sc->ctx_len < B->leader_len ? sc->ctx_len : B->leader_len;
+    if (cl > n) cl = (int)n;
+    for (int i = 0; i < cl; i++) ctx[i] = tok[n - cl + i];
+    B->context_tail = ctx;
+    B->context_len = cl;
+    B->match_len[0] = (int)ml[0];
+    B->match_len[1] = (int)ml[1];
+    B->max_nodes = (int)j->budget;
+    if (ok && builder_run(B) < 0) ok = 0;
+    for (int kind = 0; kind < 2; kind++) {
+        if (vr[kind].obj) PyBuffer_Release(&vr[kind]);
+        Py_XDECREF(rows_o[kind]);
+    }
+    if (ok && B->out_tok.len) {
+        if ((j->kept_at = keep_tree(w)) < 0) ok = 0;
+        else j->kept_by = wi;
+    }
+    if (ok) j->state = JOB_DONE;
+    j->ns += now_ns() - t0;
+    return ok ? 0 : -1;
+}
+
+/* Job j's kept tree (its head into *h), or NULL when it drafted none. */
+static const char *kept_tree(const Worker *workers, const Job *j, KeptHead *h) {
+    if (j->kept_by < 0) return NULL;
+    const char *d = (const char *)workers[j->kept_by].kept.data + j->kept_at;
+    memcpy(h, d, sizeof *h);
+    return d + sizeof *h;
+}
+
+/* Applies the refreshes the step's drafts deferred (Builder.touches), in session order, each leader once, at its last
+ * touch: the recency order the queries would have left one after another (a refresh moves a leader to the most
+ * recent end), without touching a leader's memory once for every query of it. 0, or -1 out of memory (raised). */
+static int apply_touches(const Builder *cfg, const Job *jobs, Py_ssize_t nb, const Worker *workers) {
+    Py_ssize_t stride = 2 + cfg->leader_len, total = 0;
+    KeptHead h;
+    for (Py_ssize_t s = 0; s < nb; s++)
+        if (kept_tree(workers, &jobs[s], &h)) total += h.touches / stride;
+    if (!total) return 0;
+    Py_ssize_t slots = 64;
+    while (slots < 2 * total) slots *= 2;
+    const char **rec = PyMem_RawMalloc(sizeof(char *) * (size_t)total);
+    Py_ssize_t *slot_rec = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)slots);
+    char *last = PyMem_RawMalloc((size_t)total);
+    if (!rec || !slot_rec || !last) {
+        PyMem_RawFree(rec); PyMem_RawFree(slot_rec); PyMem_RawFree(last);
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t n = 0;
+    for (Py_ssize_t s = 0; s < nb; s++) {
+        const char *pk = kept_tree(workers, &jobs[s], &h);
+        if (!pk) continue;
+        const char *t = pk + h.packed + 8 * h.n;
+        for (Py_ssize_t i = 0; i < h.touches; i += stride) rec[n++] = t + sizeof(int) * i;
+    }
+    for (Py_ssize_t i = 0; i < slots; i++) slot_rec[i] = -1;
+    size_t key_len = sizeof(int) * (size_t)stride;  /* (table, where, leader): a record equal to a later one is not last */
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        uint64_t key;
+        memcpy(&key, rec[i], sizeof key);  /* table, where */
+        Py_ssize_t at = (Py_ssize_t)((key * 0x9E3779B97F4A7C15ULL) >> 32) & (slots - 1);
+        last[i] = 1;
+        while (slot_rec[at] >= 0) {
+            if (!memcmp(rec[slot_rec[at]], rec[i], key_len)) {
+                last[i] = 0;
+                break;
+            }
+            at = (at + 1) & (slots - 1);
+        }
+        if (last[i]) slot_rec[at] = i;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!last[i]) continue;
+        int table, leader[MAX_LEADER];
+        uint32_t where;
+        memcpy(&table, rec[i], sizeof table);
+        memcpy(&where, rec[i] + sizeof(int), sizeof where);
+        memcpy(leader, rec[i] + 2 * sizeof(int), sizeof(int) * (size_t)cfg->leader_len);
+        lru_api->touch(cfg->tables[table], leader, where);
+    }
+    PyMem_RawFree(rec);
+    PyMem_RawFree(slot_rec);
+    PyMem_RawFree(last);
+    return 0;
+}
+
+/* A new reference to PyLong(v) into list[i] (pre-sized); -1 on error. */
+static int set_long(PyObject *list, Py_ssize_t i, long v) {
+    PyObject *o = PyLong_FromLong(v);
+    if (!o) return -1;
+    PyList_SET_ITEM(list, i, o);
+    return 0;
+}
+
+/* A helper's (or the calling thread's) share of a step's drafting: jobs taken one at a time until none is left. */
+static void draft_worker(void *arg, int w) {
+    StepCtx *sc = arg;
+    quiet = 1;
+    while (!__atomic_load_n(&sc->failed, __ATOMIC_RELAXED)) {
+        Py_ssize_t i = __atomic_fetch_add(&sc->next, 1, __ATOMIC_RELAXED);
+        if (i >= sc->njobs) break;
+        Job *j = &sc->jobs[i];
+        if (j->state == JOB_DRAFT && job_draft(w, sc, j, 0) < 0)
+            __atomic_store_n(&sc->failed, 1, __ATOMIC_RELAXED);
+    }
+    quiet = 0;
+}
+
+/* Sessions a thread drafts at least, for a step to be drafted on more than one (waking a helper costs some). */
+#define JOBS_PER_THREAD 8
+
 /* steps(buffers, lengths, accepted, offsets, lasts, limits, report, emas, settings)
- * For each session in order, exactly as the per-session path: score its last packed draft against its accepted
- * tokens and append them (teaching the dynamic table), then (unless report-only) draft within its budget from
- * the session's own tokens, the store and the tables. See ``batch_steps.draft_steps`` for the arguments. */
+ * One engine step of many sessions, in two passes: every session's last packed draft is scored against its
+ * accepted tokens and they are appended (teaching the dynamic table), in order; then each one (unless report-only)
+ * is drafted within its budget from its own tokens, the store and the tables, as a single draft call after all
+ * those corrections would draft it. The second pass only reads what they share (table queries refresh their
+ * leaders afterwards, in the same order), so it runs on up to ``threads`` threads at once, and gives the same
+ * trees on any number. See ``batch_steps.draft_steps`` for the arguments. */
 static PyObject *steps(PyObject *self, PyObject *args) {
     PyObject *bufs, *lens, *accepted_o, *offsets, *lasts, *limits, *report, *emas, *settings;
     if (!PyArg_ParseTuple(args, "O!O!OO!O!O!O!O!O!", &PyList_Type, &bufs, &PyList_Type, &lens, &accepted_o,
@@ -943,11 +1241,12 @@ static PyObject *steps(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *session_fn, *store_fn, *store_args, *fallback, *dynamic, *tables_obj, *acc_obj, *trials_obj;
     int use_session, use_store, ctx_len, leader_len, max_match, max_occ, max_depth, branch, adaptive, min_nodes;
+    int threads;
     double min_prob, strength, horizon;
-    if (!PyArg_ParseTuple(settings, "iOiOOOOOiiOOddiiidiii", &use_session, &session_fn, &use_store, &store_fn,
+    if (!PyArg_ParseTuple(settings, "iOiOOOOOiiOOddiiidiiii", &use_session, &session_fn, &use_store, &store_fn,
                           &store_args, &fallback, &dynamic, &tables_obj, &ctx_len, &leader_len, &acc_obj, &trials_obj,
                           &strength, &horizon, &max_match, &max_occ, &max_depth, &min_prob, &branch, &adaptive,
-                          &min_nodes))
+                          &min_nodes, &threads))
         return NULL;
     Py_ssize_t nb = PyList_GET_SIZE(bufs);
     if (PyList_GET_SIZE(lens) != nb || PyList_GET_SIZE(offsets) != nb + 1 || PyList_GET_SIZE(lasts) != nb ||
@@ -967,8 +1266,14 @@ static PyObject *steps(PyObject *self, PyObject *args) {
                         "examined, tail)");
         return NULL;
     }
-    Builder B;
-    builder_init(&B);
+    StepCtx sc;
+    memset(&sc, 0, sizeof sc);
+    Builder cfg;  /* the tables and settings every worker's builder copies */
+    builder_init(&cfg);
+    Worker own = {0};
+    int owns_pool = !pool_busy;
+    if (owns_pool) pool_busy = 1;
+    sc.workers = owns_pool ? pool : &own;
     Py_buffer vacc = {0}, vtr = {0}, vin = {0};
     PyObject *tables = NULL, *result = NULL;
     PyObject *o_off = NULL, *o_conf = NULL;
@@ -976,9 +1281,13 @@ static PyObject *steps(PyObject *self, PyObject *args) {
     PyObject *o_last = NULL, *o_len = NULL, *o_ema = NULL, *o_scored = NULL, *o_lat = NULL;
     long drafted_kinds[4] = {0, 0, 0, 0}, confirmed_kinds[4] = {0, 0, 0, 0};
     int kinds_tmp[1024];
-    PyObject *lim_o = NULL, *m_o = NULL, *occ_o = NULL, *dep_o = NULL;
-    NativeLookups nl;
-    if (native_lookups(&nl, session_fn, store_fn, store_args) < 0) goto done;
+    Job *jobs = PyMem_Calloc(nb ? (size_t)nb : 1, sizeof(Job));
+    if (!jobs) { PyErr_NoMemory(); goto done; }
+    store_view(&sc.view, session_fn, store_fn, store_args);
+    sc.use_session = use_session; sc.use_store = use_store;
+    sc.max_match = max_match; sc.max_occ = max_occ; sc.max_depth = max_depth; sc.ctx_len = ctx_len;
+    sc.session_fn = session_fn; sc.store_fn = store_fn; sc.store_args = store_args; sc.fallback = fallback;
+    sc.jobs = jobs; sc.njobs = nb;
     if (PyObject_GetBuffer(accepted_o, &vin, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto done;
     if (vin.itemsize != 4 || (vin.format && strcmp(vin.format, "i") != 0 && strcmp(vin.format, "<i") != 0 &&
                               strcmp(vin.format, "=i") != 0)) {
@@ -986,23 +1295,25 @@ static PyObject *steps(PyObject *self, PyObject *args) {
         goto done;
     }
     if (get_model(acc_obj, trials_obj, &vacc, &vtr, 1) < 0) goto done;
-    B.acc = (const double *)vacc.buf;
-    B.trials = (const double *)vtr.buf;
+    cfg.acc = (const double *)vacc.buf;
+    cfg.trials = (const double *)vtr.buf;
     tables = PySequence_Fast(tables_obj, "tables must be a sequence of (kind, table, branch)");
-    if (!tables || parse_tables(&B, tables) < 0) goto done;
-    B.leader_len = leader_len; B.max_depth = max_depth; B.min_prob = min_prob; B.branch = branch;
-    m_o = PyLong_FromLong(max_match); occ_o = PyLong_FromLong(max_occ); dep_o = PyLong_FromLong(max_depth);
-    o_off = PyList_New(0); o_conf = PyList_New(0); o_last = PyList_New(0); o_len = PyList_New(0);
-    o_ema = PyList_New(0); o_scored = PyList_New(0); o_lat = PyList_New(0);
-    if (!m_o || !occ_o || !dep_o || !o_off || !o_conf || !o_last || !o_len || !o_ema || !o_scored || !o_lat ||
-        append_long(o_off, 0) < 0)
+    if (!tables || parse_tables(&cfg, tables) < 0) goto done;
+    cfg.leader_len = leader_len; cfg.max_depth = max_depth; cfg.min_prob = min_prob; cfg.branch = branch;
+    sc.m_o = PyLong_FromLong(max_match); sc.occ_o = PyLong_FromLong(max_occ); sc.dep_o = PyLong_FromLong(max_depth);
+    o_off = PyList_New(nb + 1); o_conf = PyList_New(nb); o_last = PyList_New(nb); o_len = PyList_New(nb);
+    o_ema = PyList_New(nb); o_scored = PyList_New(nb); o_lat = PyList_New(nb);  /* filled in the last pass */
+    if (!sc.m_o || !sc.occ_o || !sc.dep_o || !o_off || !o_conf || !o_last || !o_len || !o_ema || !o_scored || !o_lat ||
+        set_long(o_off, 0, 0) < 0)
         goto done;
     const int *flat = (const int *)vin.buf;
-    Py_ssize_t nflat = vin.len / 4;
+    Py_ssize_t nflat = vin.len / 4, ndraft = 0;
     double *acc = (double *)vacc.buf, *trials = (double *)vtr.buf;
-    long node_total = 0;
+    /* First pass: every session's draft scored and its tokens appended, in order. */
     for (Py_ssize_t s = 0; s < nb; s++) {
         int64_t t0 = now_ns();
+        Job *j = &jobs[s];
+        j->kept_by = -1;
         PyObject *buf = PyList_GET_ITEM(bufs, s), *last = PyList_GET_ITEM(lasts, s);
         long n = list_long(lens, s), lo = list_long(offsets, s), hi = list_long(offsets, s + 1);
         long limit = list_long(limits, s);
@@ -1013,41 +1324,38 @@ static PyObject *steps(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "accepted offsets out of range");
             goto done;
         }
-        Py_buffer vb;
-        if (PyObject_GetBuffer(buf, &vb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if (PyObject_GetBuffer(buf, &j->vb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            j->vb.obj = NULL;
+            goto done;
+        }
         long k = hi - lo;
-        if (vb.itemsize != 4 || vb.len / 4 < n + k) {
-            PyBuffer_Release(&vb);
+        if (j->vb.itemsize != 4 || j->vb.len / 4 < n + k) {
             PyErr_SetString(PyExc_ValueError, "a session buffer is not an int32 array with room for its tokens");
             goto done;
         }
-        int *tok = (int *)vb.buf;
+        int *tok = (int *)j->vb.buf;
         const int *a = flat + lo;
-        long confirmed = 0, scored = 0;
-        PyObject *new_last = last;  /* borrowed until stored */
         if (k > 0) {
             if (last != Py_None) {
                 Packed p;
-                if (packed_view(last, &p) < 0) { PyBuffer_Release(&vb); goto done; }
+                if (packed_view(last, &p) < 0) goto done;
                 int *kinds = k <= 1024 ? kinds_tmp : PyMem_Malloc(sizeof(int) * (size_t)k);
-                if (!kinds) { PyBuffer_Release(&vb); PyErr_NoMemory(); goto done; }
-                confirmed = score_core(&p, a, k, acc, trials, strength, horizon, kinds);
+                if (!kinds) { PyErr_NoMemory(); goto done; }
+                long confirmed = score_core(&p, a, k, acc, trials, strength, horizon, kinds);
                 for (long i = 0; i < confirmed; i++) confirmed_kinds[kinds[i] & 3]++;
                 if (kinds != kinds_tmp) PyMem_Free(kinds);
-                if (confirmed < 0) { PyBuffer_Release(&vb); goto done; }
-                scored = p.n;
+                if (confirmed < 0) goto done;
+                j->confirmed = confirmed;
+                j->scored = p.n;
                 if (p.n) ema += 0.25 * ((double)confirmed - ema);
             }
-            new_last = Py_None;
+            j->appended = 1;
             memcpy(tok + n, a, sizeof(int) * (size_t)k);
             long before = n;
             n += k;
             long from = before > 8 ? before - 8 : 0;  /* the new tokens with the 8 before them */
             if (dynamic && lru_api && Py_TYPE(dynamic) == lru_api->type) {
-                if (lru_api->update(dynamic, tok + from, n - from, before - from) < 0) {
-                    PyBuffer_Release(&vb);
-                    goto done;
-                }
+                if (lru_api->update(dynamic, tok + from, n - from, before - from) < 0) goto done;
             } else if (dynamic) {
                 PyObject *window = PySequence_GetSlice(buf, from, n);
                 PyObject *nf = window ? PyLong_FromLong(before < 8 ? before : 8) : NULL;
@@ -1056,7 +1364,7 @@ static PyObject *steps(PyObject *self, PyObject *args) {
                                                               NULL) : NULL;
                 Py_XDECREF(window);
                 Py_XDECREF(nf);
-                if (!r) { PyBuffer_Release(&vb); goto done; }
+                if (!r) goto done;
                 Py_DECREF(r);
             }
         }
@@ -1070,95 +1378,73 @@ static PyObject *steps(PyObject *self, PyObject *args) {
                 if (budget < floor_) budget = floor_;
             }
         }
-        if (budget > 0 && n > 0) {
-            PyObject *rows_o[2] = {NULL, NULL};
-            long ml[2] = {0, 0};
-            Py_buffer vr[2] = {{0}, {0}};
-            LookupResult found[2] = {{0}, {0}};
-            PyObject *view = NULL, *n_o = NULL;
-            int ok = 1;
-            /* No node of a tree of ``budget`` nodes lies deeper than that: longer rows would go unread. */
-            int reach = budget < max_depth ? (int)budget : max_depth;
-            for (int kind = 0; ok && kind < 2; kind++) {
-                if (!(kind ? use_store : use_session)) continue;
-                int rc = native_lookup(&nl, kind, tok, vb.len / 4, n, max_match, max_occ, reach, &found[kind]);
-                if (rc < 0) {
-                    ok = 0;
-                } else if (rc == 0) {
-                    ml[kind] = (long)found[kind].m;
-                } else {  /* through the Python lookup the caller passed (or the fallback it declines to) */
-                    if (!view && (!(view = PySequence_GetSlice(buf, 0, n)) || !(n_o = PyLong_FromLong(n)))) {
-                        ok = 0;
-                        break;
-                    }
-                    if (kind == 0) {
-                        PyObject *sargs[5] = {buf, n_o, m_o, occ_o, dep_o};
-                        ok = match_rows(session_fn, sargs, 5, fallback, 0, view, &ml[0], &rows_o[0]) == 0;
-                    } else {
-                        PyObject *sargs[12] = {view, PyTuple_GET_ITEM(store_args, 0), PyTuple_GET_ITEM(store_args, 1),
-                                               PyTuple_GET_ITEM(store_args, 2), PyTuple_GET_ITEM(store_args, 3),
-                                               PyTuple_GET_ITEM(store_args, 4), m_o, occ_o, dep_o,
-                                               PyTuple_GET_ITEM(store_args, 5), PyTuple_GET_ITEM(store_args, 6),
-                                               PyTuple_GET_ITEM(store_args, 7)};
-                        ok = match_rows(store_fn, sargs, 12, fallback, 1, view, &ml[1], &rows_o[1]) == 0;
-                    }
-                }
-            }
-            Py_XDECREF(view);
-            Py_XDECREF(n_o);
-            builder_clear(&B);
-            B.rows[0] = B.rows[1] = NULL;
-            B.nrows[0] = B.nrows[1] = B.width[0] = B.width[1] = 0;
-            for (int kind = 0; ok && kind < 2; kind++) {
-                if (rows_o[kind]) {
-                    if (get_rows(rows_o[kind], &vr[kind], &B.rows[kind], &B.nrows[kind], &B.width[kind]) < 0) ok = 0;
-                } else if (found[kind].m) {
-                    B.rows[kind] = found[kind].rows;
-                    B.nrows[kind] = found[kind].k;
-                    B.width[kind] = found[kind].depth;
-                }
-            }
-            int ctx[MAX_LEADER];
-            int cl = ctx_len < leader_len ? ctx_len : leader_len;
-            if (cl > n) cl = (int)n;
-            for (int i = 0; i < cl; i++) ctx[i] = tok[n - cl + i];
-            B.context_tail = ctx;
-            B.context_len = cl;
-            B.match_len[0] = (int)ml[0]; B.match_len[1] = (int)ml[1];
-            B.max_nodes = (int)budget;
-            if (ok && builder_run(&B) < 0) ok = 0;
-            for (int kind = 0; kind < 2; kind++) {
-                if (vr[kind].obj) PyBuffer_Release(&vr[kind]);
-                Py_XDECREF(rows_o[kind]);
-            }
-            if (!ok) { PyBuffer_Release(&vb); goto done; }
-            Py_ssize_t nn = B.out_tok.len;
+        j->n = n;
+        j->ema = ema;
+        j->budget = budget;
+        j->state = budget > 0 && n > 0 ? JOB_DRAFT : JOB_IDLE;
+        ndraft += j->state == JOB_DRAFT;
+        j->ns = now_ns() - t0;
+    }
+    /* Second pass: the drafts. The tail's lists are brought up to date once for all the store lookups. */
+    if (ndraft && use_store && sc.view.store &&
+        kernels_api->store_prepare((const int *)sc.view.ring.buf, sc.view.ring.len / 4, sc.view.oldest, sc.view.end,
+                                   sc.view.delta, sc.view.main_ix, sc.view.tail, ndraft) < 0)
+        goto done;
+    int nthreads = threads < WORKERS_MAX ? threads : WORKERS_MAX;
+    if (nthreads > ndraft / JOBS_PER_THREAD) nthreads = (int)(ndraft / JOBS_PER_THREAD);
+    if (!owns_pool || !kernels_api || (use_session && !sc.view.session) || (use_store && !sc.view.store) ||
+        !tables_native(&cfg))
+        nthreads = 1;  /* some lookups or queries go through Python: one thread, holding the GIL */
+    if (nthreads < 1) nthreads = 1;
+    for (int w = 0; w < nthreads; w++) {
+        if (worker_ready(&sc.workers[w]) < 0) goto done;
+        builder_configure(&sc.workers[w].B, &cfg);
+        sc.workers[w].kept.len = 0;
+    }
+    if (nthreads > 1) {
+        workers_run(nthreads, draft_worker, &sc);
+        if (sc.failed) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    for (Py_ssize_t s = 0; s < nb; s++)  /* what the workers left, or every draft on one thread */
+        if (jobs[s].state == JOB_PYTHON || jobs[s].state == JOB_DRAFT)
+            if (job_draft(0, &sc, &jobs[s], 1) < 0) goto done;
+    /* The table refreshes the drafts deferred, then the trees in order. */
+    if (apply_touches(&cfg, jobs, nb, sc.workers) < 0) goto done;
+    long node_total = 0;
+    for (Py_ssize_t s = 0; s < nb; s++) {
+        Job *j = &jobs[s];
+        PyObject *new_last;
+        KeptHead h;
+        const char *pk = kept_tree(sc.workers, j, &h);
+        if (pk) {
+            const char *probs = pk + h.packed;
+            Py_ssize_t nn = h.n;
             if (buf_reserve(&n_tok, nn) < 0 || buf_reserve(&n_par, nn) < 0 || buf_reserve(&n_prob, nn) < 0 ||
-                buf_reserve(&n_kind, nn) < 0) {
-                PyBuffer_Release(&vb);
+                buf_reserve(&n_kind, nn) < 0)
                 goto done;
-            }
-            memcpy(&AT(n_tok, int, n_tok.len), B.out_tok.data, sizeof(int) * (size_t)nn);
-            memcpy(&AT(n_par, int, n_par.len), B.out_parent.data, sizeof(int) * (size_t)nn);
-            memcpy(&AT(n_prob, double, n_prob.len), B.out_prob.data, sizeof(double) * (size_t)nn);
+            memcpy(&AT(n_tok, int, n_tok.len), pk + 8, sizeof(int) * (size_t)nn);
+            memcpy(&AT(n_par, int, n_par.len), pk + 8 + 4 * nn, sizeof(int) * (size_t)nn);
+            memcpy(&AT(n_prob, double, n_prob.len), probs, sizeof(double) * (size_t)nn);
             for (Py_ssize_t i = 0; i < nn; i++) {
-                int kind = AT(B.out_kinds, int, i);
+                int kind = ld_int(pk + 8 + 8 * nn, i);
                 drafted_kinds[kind & 3]++;
                 AT(n_kind, unsigned char, n_kind.len + i) = (unsigned char)kind;
             }
             n_tok.len += nn; n_par.len += nn; n_prob.len += nn; n_kind.len += nn;
             node_total += (long)nn;
-            new_last = nn ? pack_tree(&B) : Py_NewRef(Py_None);
-            if (!new_last) { PyBuffer_Release(&vb); goto done; }
-        } else {
-            Py_INCREF(new_last);
+            if (!(new_last = PyBytes_FromStringAndSize(pk, h.packed))) goto done;
+        } else {  /* drafted nothing, or not drafted: a spent draft is dropped, an unscored one kept */
+            new_last = Py_NewRef(j->state == JOB_DONE || j->appended ? Py_None : PyList_GET_ITEM(lasts, s));
         }
-        PyBuffer_Release(&vb);
-        int err = PyList_Append(o_last, new_last);
-        Py_DECREF(new_last);
-        if (err < 0 || append_long(o_off, node_total) < 0 || append_long(o_conf, confirmed) < 0 ||
-            append_long(o_len, n) < 0 || append_double(o_ema, ema) < 0 || append_long(o_scored, scored) < 0 ||
-            append_long(o_lat, (long)(now_ns() - t0)) < 0)
+        PyList_SET_ITEM(o_last, s, new_last);
+        PyObject *ema = PyFloat_FromDouble(j->ema);
+        if (!ema) goto done;
+        PyList_SET_ITEM(o_ema, s, ema);
+        if (set_long(o_off, s + 1, node_total) < 0 || set_long(o_conf, s, j->confirmed) < 0 ||
+            set_long(o_len, s, j->n) < 0 || set_long(o_scored, s, j->scored) < 0 || set_long(o_lat, s, (long)j->ns) < 0)
             goto done;
     }
 #define BYTES_OF(b) ((b).data ? (const char *)(b).data : ""), (b).len * (b).item  /* y# gives None for NULL */
@@ -1168,17 +1454,28 @@ static PyObject *steps(PyObject *self, PyObject *args) {
                            drafted_kinds[3], confirmed_kinds[0], confirmed_kinds[1], confirmed_kinds[2],
                            confirmed_kinds[3]);
 done:
-    builder_free(&B);
-    native_lookups_free(&nl);
+    if (jobs) {
+        for (Py_ssize_t s = 0; s < nb; s++)
+            if (jobs[s].vb.obj) PyBuffer_Release(&jobs[s].vb);
+        PyMem_Free(jobs);
+    }
+    worker_free(&own);
+    if (owns_pool) pool_busy = 0;
+    builder_free(&cfg);
+    store_view_free(&sc.view);
     if (vacc.obj) PyBuffer_Release(&vacc);
     if (vtr.obj) PyBuffer_Release(&vtr);
     if (vin.obj) PyBuffer_Release(&vin);
     Py_XDECREF(tables);
-    Py_XDECREF(lim_o); Py_XDECREF(m_o); Py_XDECREF(occ_o); Py_XDECREF(dep_o);
+    Py_XDECREF(sc.m_o); Py_XDECREF(sc.occ_o); Py_XDECREF(sc.dep_o);
     buf_free(&n_tok); buf_free(&n_par); buf_free(&n_prob); buf_free(&n_kind);
     Py_XDECREF(o_off); Py_XDECREF(o_conf); Py_XDECREF(o_last); Py_XDECREF(o_len); Py_XDECREF(o_ema); Py_XDECREF(o_scored);
     Py_XDECREF(o_lat);
     return result;
+}
+
+static PyObject *threads(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("(il)", workers_started(), workers_shared_runs());
 }
 
 static PyMethodDef methods[] = {
@@ -1187,6 +1484,7 @@ static PyMethodDef methods[] = {
     {"pack", pack, METH_VARARGS, "A packed draft of a tree and its evidence (see tree_builder.pack_draft)."},
     {"score_packed", score_packed, METH_VARARGS, "score() over a packed draft (see tree_builder.score_packed)."},
     {"steps", steps, METH_VARARGS, "One engine step of many sessions (see batch_steps.draft_steps)."},
+    {"threads", threads, METH_NOARGS, "(helper threads started, steps drafted on more than one thread) so far."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -36,8 +36,13 @@ def steps(buffers: list[np.ndarray], lengths: list[int], accepted: np.ndarray, o
           settings: tuple[Any, ...],
           ) -> tuple[list[int], bytes, bytes, bytes, bytes, list[int], list[bytes | None], list[int],
                      list[float], list[int], list[int], tuple[int, int, int, int], tuple[int, int, int, int]]:
-    """One engine step of many sessions, each scored, appended and drafted in order (see ``batch_steps``):
+    """One engine step of many sessions, each scored and appended in order, then each drafted, on up to the
+    settings' last item of threads (see ``batch_steps``):
     (tree offsets, token ids, parents, probs, source kinds, confirmed, packed drafts, lengths, averaged accepted
     tokens, nodes scored, latencies in ns, nodes drafted per kind, nodes confirmed per kind). Every node's token
     id, parent and kind come packed in native byte order, as int32, int32, float64 and uint8 arrays."""
+    ...
+
+def threads() -> tuple[int, int]:
+    """(helper threads started, steps drafted on more than one thread) so far in this process."""
     ...

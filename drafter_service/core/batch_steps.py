@@ -1,4 +1,4 @@
-"""One engine step of many sessions in one native call: each session corrected, looked up and drafted in order."""
+"""One engine step of many sessions in one native call: every session corrected, then each one drafted."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 
 import store.match_kernels as kernels
 from drafter_service.core.acceptance import AcceptanceModel
-from drafter_service.core.config import DrafterConfig
+from drafter_service.core.config import DrafterConfig, default_batch_threads
 from drafter_service.core.session import BudgetPolicy, DraftSession, batch_states, batch_stepped, lookup_tokens
 from drafter_service.core.tree_builder import native_module
 from store.ngram_table import NativeLRUTable
@@ -56,6 +56,9 @@ class StepsOutcome:
     confirmed_by_kind: tuple[int, int, int, int]
 
 
+_DEFAULT_THREADS = default_batch_threads()
+
+
 def available(drafter: Drafting) -> bool:
     """Whether ``drafter`` can take batched steps: the native builder and, when it learns, the native table."""
     native = native_module()
@@ -65,7 +68,9 @@ def available(drafter: Drafting) -> bool:
 
 def draft_steps(drafter: Drafting, sessions: Sequence[DraftSession], accepted: np.ndarray, offsets: list[int],
                 limits: list[int], report: list[bool]) -> StepsOutcome:
-    """Correct and draft for every session, in order, exactly as ``Drafter.correct`` and ``Drafter.draft`` would.
+    """Correct every session in order, then draft for each, exactly as ``Drafter.correct`` for all of them and then
+    ``Drafter.draft`` for each would (the drafts see every session's accepted tokens in the tables; the drafting
+    runs on up to ``config.batch_threads`` threads and gives the same trees on any number).
 
     The sessions must be ``batchable``, open, distinct, and ``available(drafter)`` must hold.
 
@@ -101,7 +106,7 @@ def draft_steps(drafter: Drafting, sessions: Sequence[DraftSession], accepted: n
                 store_native[1] if store_native else None, fallback, drafter.dynamic if cfg.use_dynamic else None,
                 tables, cfg.leader_len, leader_len, model.accepted, model.trials, model.prior_strength,
                 float(model.horizon), cfg.max_match, cfg.max_occurrences, cfg.max_depth, cfg.min_prob, cfg.branch,
-                int(policy.adaptive), policy.min_nodes)
+                int(policy.adaptive), policy.min_nodes, cfg.batch_threads or _DEFAULT_THREADS)
     with model.lock:
         (tree_offsets, token_ids, parents, probs, kinds, confirmed, packed_drafts, new_lens, new_emas, scored,
          latencies, drafted_by_kind, confirmed_by_kind) = native.steps(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 
 from drafter_service.api.names import DEFAULT_NAMESPACE, check_name
@@ -15,6 +16,10 @@ GATES = ("time", "acceptance", "off")
 """When a draft model's nodes are served (``CardSettings.gate``)."""
 SOURCE_NAMES = ("session", "store", "dynamic", "frozen", "repeat")
 """The model-free sources a namespace drafts from (DrafterConfig's ``use_<name>`` fields)."""
+
+
+MAX_BATCH_THREADS = 8
+"""Most threads a batched step drafts on (``DrafterConfig.batch_threads``; the native pool holds up to 16)."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class DrafterConfig:
         max_depth: deepest node of a tree.
         min_prob: nodes whose estimated acceptance is lower are not drafted.
         adaptive_budget: shrink a session's budget while its drafts are rarely accepted.
+        batch_threads: threads a batched step drafts on (0: ``default_batch_threads()``).
         min_nodes: the smallest budget adaptation goes down to.
         use_session, use_store, use_dynamic, use_frozen: enable each source (for ablations; ``SOURCES`` sets them).
         use_repeat: offer the stored output of an earlier request with the same prompt (exact-match cache).
@@ -55,6 +61,9 @@ class DrafterConfig:
     table_branch: int = 8
     branch: int = 8
     max_nodes: int = field(default=32, metadata=setting("--max-nodes", "default tree budget", DRAFTING))
+    batch_threads: int = field(default=0, metadata=setting(
+        "--batch-threads", "threads one DraftBatch step drafts its sessions on, 8 or more sessions a thread (0: one a "
+        f"CPU the service may use, at most {MAX_BATCH_THREADS})", DRAFTING))
     max_depth: int = 24
     min_prob: float = 0.001
     adaptive_budget: bool = True
@@ -74,6 +83,9 @@ class DrafterConfig:
             if f.name == "min_prob":
                 if not 0.0 <= value < 1.0:
                     raise ValueError(f"min_prob must be in [0, 1), got {value}")
+            elif f.name == "batch_threads":
+                if not 0 <= value <= MAX_BATCH_THREADS:
+                    raise ValueError(f"batch_threads must be in [0, {MAX_BATCH_THREADS}], got {value}")
             elif value < 1:
                 raise ValueError(f"{f.name} must be at least 1, got {value}")
         if self.capacity < 2:
@@ -201,3 +213,13 @@ class DraftModelSpec:
                 name, path = DEFAULT_NAMESPACE, part
             specs.append(cls(name.strip(), path.strip(), **common))  # type: ignore[arg-type]
         return tuple(specs)
+
+
+def default_batch_threads() -> int:
+    """Threads a batched step drafts on when ``batch_threads`` is 0: one for each CPU this process may run on, at
+    most ``MAX_BATCH_THREADS``."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_BATCH_THREADS, cpus))

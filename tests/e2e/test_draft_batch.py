@@ -54,7 +54,7 @@ def workload(seed: int, n: int) -> list[tuple[list[int], list[int]]]:
             for _ in range(n)]
 
 
-def test_a_batch_step_drafts_exactly_what_single_calls_draft(two_stubs):
+def test_a_batch_step_drafts_exactly_what_single_calls_draft_after_every_steps_tokens(two_stubs):
     batched, single = two_stubs
     history = [pb.Sequence(prompt=p, output=o) for p, o in workload(1, 12)]
     for s in (batched, single):
@@ -77,9 +77,12 @@ def test_a_batch_step_drafts_exactly_what_single_calls_draft(two_stubs):
             single.StartSession(s)
         trees = trees_of_batch(reply)
         assert len(trees) == len(reply.confirmed) == len(drafting)
-        for tree, k, i in zip(trees, reply.confirmed, drafting, strict=True):
-            alone = single.Draft(pb.DraftRequest(session_id=sids[i], accepted=pending[i], max_nodes=16))
-            assert tree == tree_of(alone) and k == alone.confirmed
+        # every step's tokens first, then each session's tree: what the batch does
+        recorded = [single.Draft(pb.DraftRequest(session_id=sids[i], accepted=pending[i], report_only=True))
+                    for i in drafting]
+        for tree, k, i, told in zip(trees, reply.confirmed, drafting, recorded, strict=True):
+            alone = single.Draft(pb.DraftRequest(session_id=sids[i], max_nodes=16))
+            assert tree == tree_of(alone) and k == told.confirmed
             confirmed += k
         for stored, end in zip(reply.stored_tokens, ends, strict=True):
             assert stored == single.EndSession(end).stored_tokens > 0
@@ -165,6 +168,26 @@ def test_packed_steps_come_after_the_others_and_draft_as_they_would(two_stubs):
                                                                         max_nodes=8)], **packed(steps[1:])))
     assert got == want
     assert [e.index for e in got.step_errors] == [2, 3] and len(trees_of_batch(got)[0]) > 0
+
+
+def test_packed_steps_alone_draft_as_the_same_steps_as_messages(two_stubs):
+    """Packed steps alone go through one run without a step object each, unless something in them asks for more:
+    the same replies either way."""
+    as_messages, as_packed = two_stubs
+    for s in (as_messages, as_packed):
+        s.DraftBatch(pb.DraftBatchRequest(start=[pb.StartSessionRequest(session_id=f"s{i}", prompt=[1, 2, 3, 1, 2])
+                                                 for i in range(4)]))
+    batches = [[("s0", [3, 1], 8, False), ("s1", [3], 0, False), ("s2", [1, 2], 0, False), ("s3", [3], 0, True)],
+               [("s0", [2], 0, False), ("nobody", [1], 0, False), ("s1", [1, 2], 4, False)],  # an unknown session
+               [("s2", [3], 0, False), ("s2", [1], 0, False)],  # one session twice
+               [("s3", [1, 2], 99, False)],  # a budget over the limit
+               [("s0", [3], 0, False), ("s1", [1], 0, False)]]
+    for steps in batches:
+        want = as_messages.DraftBatch(pb.DraftBatchRequest(
+            steps=[pb.BatchStep(session_id=s, accepted=a, max_nodes=b, report_only=r) for s, a, b, r in steps]))
+        got = as_packed.DraftBatch(pb.DraftBatchRequest(**packed(steps)))
+        assert got == want, steps
+    assert sum(len(t) for t in trees_of_batch(got)) > 0
 
 
 def test_packed_steps_that_do_not_add_up_are_refused_whole(stub):

