@@ -26,7 +26,7 @@ from drafter_service.api.tree import DraftTree
 from drafter_service.namespaces.stats import NamespaceStats
 from drafter_service.rpc.interceptor import status_of
 from drafter_service.service.auth import Caller
-from drafter_service.service.batch import BatchOutcome, BatchStep
+from drafter_service.service.batch import BatchOutcome, BatchStep, PackedSteps
 from drafter_service.service.service import DrafterService
 from store.request_log import Duplicates
 
@@ -53,9 +53,9 @@ def _item_errors(errors: list[tuple[int, Exception]], what: str) -> list[pb.Item
     return out
 
 
-def batch_steps(request: pb.DraftBatchRequest) -> tuple[list[BatchStep], tuple[int, int] | None]:
-    """The steps of a DraftBatchRequest, ``steps`` then the packed ones (their tokens int32 views of one array),
-    and the (least, greatest) id of the packed tokens (None when there are none).
+def batch_steps(request: pb.DraftBatchRequest) -> tuple[list[BatchStep], PackedSteps | None, tuple[int, int] | None]:
+    """The steps of a DraftBatchRequest: ``steps``, then the packed ones (None when there are none; their tokens one
+    int32 array), and the (least, greatest) id of the packed tokens (None when there are none).
 
     Raises:
         InvalidArgument: packed lists of different lengths, or counts that do not add up to the packed tokens.
@@ -72,12 +72,10 @@ def batch_steps(request: pb.DraftBatchRequest) -> tuple[list[BatchStep], tuple[i
     if len(data) % 4 or min(counts, default=0) < 0 or sum(counts) != len(data) // 4:
         raise InvalidArgument(f"packed counts add up to {sum(counts)} tokens, packed_tokens holds {len(data) / 4}")
     if not n:
-        return steps, None
+        return steps, None, None
     flat = np.frombuffer(data, "<i4").astype(np.int32, copy=False)
-    offsets = [0, *itertools.accumulate(counts)]
-    steps.extend(zip(sessions, [flat[lo:hi] for lo, hi in itertools.pairwise(offsets)], budgets, report,
-                     strict=True))
-    return steps, ((int(flat.min()), int(flat.max())) if flat.size else None)
+    packed = PackedSteps(sessions, flat, [0, *itertools.accumulate(counts)], budgets, report)
+    return steps, packed, ((int(flat.min()), int(flat.max())) if flat.size else None)
 
 
 def batch_message(outcome: BatchOutcome) -> pb.DraftBatchResponse:
@@ -160,12 +158,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return self._batch_now(request, caller)
 
     def _batch_now(self, request: pb.DraftBatchRequest, caller: Caller) -> pb.DraftBatchResponse:
-        steps, bounds = batch_steps(request)
+        steps, packed, bounds = batch_steps(request)
         outcome = self.service.draft_batch(
             [(s.namespace, s.session_id, s.prompt, s.max_nodes, s.fixed_budget) for s in request.start], steps,
             [(e.session_id, e.accepted) for e in request.end],
             request.max_nodes, request.step_seconds, request.plain_step_seconds, caller=caller,
-            accepted_bounds=bounds)
+            accepted_bounds=bounds, packed=packed)
         return batch_message(outcome)
 
     def EndSession(self, request: pb.EndSessionRequest, context: grpc.ServicerContext) -> pb.EndSessionResponse:

@@ -16,6 +16,27 @@ BatchStep = tuple[str, TokenIds, int, bool]
 """(session id, accepted, max_nodes, report_only) of one session's step, as Draft takes them."""
 BatchEnd = tuple[str, TokenIds]
 """(session id, accepted) of a session to end, as EndSession takes them."""
+
+
+@dataclass(frozen=True)
+class PackedSteps:
+    """Steps that came packed (a DraftBatchRequest's ``packed_*`` fields): session ``sessions[i]``'s accepted
+    tokens are ``tokens[offsets[i]:offsets[i + 1]]``, with budget ``budgets[i]`` (0: the batch's) and report flag
+    ``report[i]``."""
+
+    sessions: Sequence[str]
+    tokens: np.ndarray  # (total,) int32
+    offsets: list[int]
+    budgets: list[int]
+    report: list[bool]
+
+    def steps(self) -> list[BatchStep]:
+        """The same steps one by one (their tokens views of ``tokens``)."""
+        flat = self.tokens
+        return list(zip(self.sessions, [flat[lo:hi] for lo, hi in itertools.pairwise(self.offsets)], self.budgets,
+                        self.report, strict=True))
+
+
 SOURCE_CODES = {"session": 1, "store": 2, "dynamic": 3, "frozen": 4, "model": 5, "repeat": 6}
 """The number of each source name in the API's Source enum (0 for a node without one)."""
 SOURCE_NAMES = {code: name for name, code in SOURCE_CODES.items()}

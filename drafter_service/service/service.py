@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from drafter_service.core.session import DraftSession
 from drafter_service.namespaces.namespace import Namespace
 from drafter_service.namespaces.stats import NamespaceStats
 from drafter_service.service.auth import TRUSTED, Authorizer, Caller
-from drafter_service.service.batch import BatchEnd, BatchOutcome, BatchStart, BatchStep
+from drafter_service.service.batch import BatchEnd, BatchOutcome, BatchStart, BatchStep, PackedSteps
 from drafter_service.service.config import ServiceConfig
 from drafter_service.service.session_routes import SessionRoutes
 from store.persistence import RedisPersistence
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _INT32 = np.dtype(np.int32)
+_RunStep = tuple[DraftSession | None, Any, int, bool]
+"""A step of a batch's run: (session, accepted ids, budget, report_only) to draft batched, or (None, its tree,
+tokens confirmed, False) for one taken alone (or failed), whose tree is drawn already."""
 
 PersistenceFactory = Callable[[str, int], RedisPersistence | None]
 """(namespace name, vocab size) -> a persistence object for it, or None for memory only."""
@@ -215,14 +218,17 @@ class DrafterService:
 
     def draft_batch(self, starts: Sequence[BatchStart], steps: Sequence[BatchStep], ends: Sequence[BatchEnd],
                     max_nodes: int = 0, step_seconds: float = 0.0, plain_step_seconds: float = 0.0,
-                    caller: Caller | None = None, accepted_bounds: tuple[int, int] | None = None) -> BatchOutcome:
-        """One engine step of many sessions: open ``starts``, draft for ``steps`` in order, then end ``ends``.
+                    caller: Caller | None = None, accepted_bounds: tuple[int, int] | None = None,
+                    packed: PackedSteps | None = None) -> BatchOutcome:
+        """One engine step of many sessions: open ``starts``, draft for ``steps`` and then ``packed`` in order, then
+        end ``ends``.
 
         Each item is handled exactly as ``start_session``, ``draft`` and ``end_session`` would handle it alone, and
         fails alone: the outcome keeps its error and the other items go on. ``max_nodes`` is the budget of every
         step that gives none; the step times are the engine's batched step, shared by every step.
         ``accepted_bounds``: (least, greatest) of every step's accepted ids when the caller knows them (steps
-        given as int32 arrays are then checked against the vocabulary once, not id by id).
+        given as int32 arrays are then checked against the vocabulary once, not id by id). Every step's tokens are
+        recorded before the trees are drafted (see ``_batch_steps``).
 
         Raises:
             InvalidArgument: the call itself is malformed (a list longer than ``max_sessions``, a bad default
@@ -240,7 +246,11 @@ class DrafterService:
                 self.start_session(namespace, session_id, prompt, budget, caller=who, fixed_budget=fixed)
             except Exception as exc:  # this item alone fails; the caller reports it
                 out.start_errors.append((i, exc))
-        self._batch_steps(steps, max_nodes, step_seconds, plain_step_seconds, who, out, accepted_bounds)
+        if packed is not None and (steps or not self._packed_run(packed, max_nodes, step_seconds, plain_step_seconds,
+                                                                  who, out, accepted_bounds)):
+            steps = [*steps, *packed.steps()]
+        if steps:
+            self._batch_steps(steps, max_nodes, step_seconds, plain_step_seconds, who, out, accepted_bounds)
         for i, (session_id, accepted) in enumerate(ends):
             try:
                 out.stored.append(self.end_session(session_id, accepted, caller=who))
@@ -252,9 +262,11 @@ class DrafterService:
     def _batch_steps(self, steps: Sequence[BatchStep], max_nodes: int, step_seconds: float,
                      plain_step_seconds: float, caller: Caller, out: BatchOutcome,
                      bounds: tuple[int, int] | None = None) -> None:
-        """The steps of a batch, in order, each as ``_draft_step`` would take it: runs of sessions their drafter can
-        batch go through ``Namespace.draft_steps`` (one native call each), the others one by one."""
-        run: list[tuple[DraftSession, np.ndarray, int, bool]] = []
+        """The steps of a batch, each as ``_draft_step`` would take it, their trees in the steps' order: the steps of
+        sessions their drafter can batch gather into a run per namespace, drafted by ``Namespace.draft_steps`` in
+        one native call (every session of the run corrected, then each drafted); the others are taken one by one
+        as they come, before the run they sit in. A session named again, or another namespace, ends the run."""
+        run: list[_RunStep] = []
         run_ns: Namespace | None = None
         in_run: set[int] = set()  # ids of the run's sessions: a session drafted twice starts a new run
         most, widest, get = self.config.max_request_tokens, self.config.max_nodes_limit, self.sessions.get
@@ -266,8 +278,8 @@ class DrafterService:
                     self._check_tokens(accepted, "accepted")
                     self._check_budget(budget)
                 ns, sess = get(caller, session_id)
-                if id(sess) in in_run:  # drafted twice: its first step goes in first, so that its growth counts
-                    self._flush_steps(run_ns, run, step_seconds, plain_step_seconds, out)
+                if id(sess) in in_run or (run_ns is not None and ns is not run_ns):  # its first step goes in first,
+                    self._flush_steps(run_ns, run, step_seconds, plain_step_seconds, out)  # so that its growth counts
                     run, run_ns = [], None
                     in_run.clear()
                 if (ns is trusted and type(accepted) is np.ndarray and accepted.dtype is _INT32
@@ -278,18 +290,10 @@ class DrafterService:
                     if bounds is not None and 0 <= bounds[0] and bounds[1] < ns.drafter.config.vocab_size:
                         trusted = ns
             except Exception as exc:
-                self._flush_steps(run_ns, run, step_seconds, plain_step_seconds, out)
-                run, run_ns = [], None
-                in_run.clear()
                 out.step_errors.append((i, exc))
-                out.add_tree(EMPTY_TREE, 0)
+                run.append((None, EMPTY_TREE, 0, False))
                 continue
-            batchable = ns.drafter.batchable(sess)
-            if ns is not run_ns or not batchable:
-                self._flush_steps(run_ns, run, step_seconds, plain_step_seconds, out)
-                run, run_ns = [], None
-                in_run.clear()
-            if batchable:
+            if ns.drafter.batchable(sess):
                 run.append((sess, ids, budget, report_only))
                 run_ns = ns
                 in_run.add(id(sess))
@@ -299,24 +303,76 @@ class DrafterService:
             except Exception as exc:
                 tree, confirmed = EMPTY_TREE, 0
                 out.step_errors.append((i, exc))
-            out.add_tree(tree, confirmed)
+            run.append((None, tree, confirmed, False))
         self._flush_steps(run_ns, run, step_seconds, plain_step_seconds, out)
 
+    def _packed_run(self, packed: PackedSteps, max_nodes: int, step_seconds: float, plain_step_seconds: float,
+                    caller: Caller, out: BatchOutcome, bounds: tuple[int, int] | None) -> bool:
+        """A batch's packed steps as one run, as ``_batch_steps`` would take them, when nothing in them asks for more
+        (every session live and distinct, of one namespace and batchable; every budget, token id and session's
+        growth within its limits): without a step object per session. False, having done nothing, otherwise."""
+        get, cfg = self.sessions.get, self.config
+        try:
+            routes = [get(caller, sid) for sid in packed.sessions]
+        except NotFound:
+            return False
+        ns = routes[0][0]
+        if bounds is not None and not (0 <= bounds[0] and bounds[1] < ns.drafter.config.vocab_size):
+            return False
+        budgets = [b or max_nodes for b in packed.budgets] if max_nodes else packed.budgets
+        if min(budgets) < 0 or max(budgets) > cfg.max_nodes_limit:
+            return False
+        most, offsets, batchable = cfg.max_request_tokens, packed.offsets, ns.drafter.batchable
+        sessions = []
+        for i, (route_ns, sess) in enumerate(routes):
+            if (route_ns is not ns or not batchable(sess)
+                    or len(sess) - sess.prompt_len + offsets[i + 1] - offsets[i] > most):
+                return False
+            sessions.append(sess)
+        if len(set(map(id, sessions))) < len(sessions):
+            return False
+        limits = [b or sess.max_nodes for b, sess in zip(budgets, sessions, strict=True)]
+        done = ns.draft_steps(sessions, packed.tokens, offsets, limits, packed.report, step_seconds,
+                              plain_step_seconds)
+        out.add_trees(done.offsets, (done.token_ids, done.parents, done.probs, done.kinds + np.uint8(1)),
+                      done.confirmed)
+        return True
+
     @staticmethod
-    def _flush_steps(ns: Namespace | None, run: list[tuple[DraftSession, np.ndarray, int, bool]],
-                     step_seconds: float, plain_step_seconds: float, out: BatchOutcome) -> None:
-        """Draft a run of batchable steps of one namespace in one call and append their trees to ``out``."""
-        if ns is None or not run:
+    def _flush_steps(ns: Namespace | None, run: list[_RunStep], step_seconds: float, plain_step_seconds: float,
+                     out: BatchOutcome) -> None:
+        """Draft a run's batchable steps of ``ns`` in one call, then append every tree of the run to ``out`` in
+        order (the steps taken alone, and the failed ones, hold theirs already)."""
+        batched = [step for step in run if step[0] is not None]
+        if not batched:
+            for _, tree, confirmed, _ in run:
+                out.add_tree(tree, confirmed)
             return
-        sessions = [sess for sess, *_ in run]
-        arrays = [ids for _, ids, _, _ in run]
+        assert ns is not None
+        sessions = [sess for sess, *_ in batched]
+        arrays = [ids for _, ids, _, _ in batched]
         offsets = [0, *itertools.accumulate(a.size for a in arrays)]
         accepted = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-        limits = [budget or sess.max_nodes for sess, _, budget, _ in run]
-        done = ns.draft_steps(sessions, accepted, offsets, limits, [r for *_, r in run], step_seconds,
+        limits = [budget or sess.max_nodes for sess, _, budget, _ in batched]  # type: ignore[union-attr]
+        done = ns.draft_steps(sessions, accepted, offsets, limits, [r for *_, r in batched], step_seconds,  # type: ignore[arg-type]
                               plain_step_seconds)
-        sources = done.kinds + np.uint8(1)  # source kind -> Source number (tree_builder.SOURCE_NAMES)
-        out.add_trees(done.offsets, (done.token_ids, done.parents, done.probs, sources), done.confirmed)
+        nodes = (done.token_ids, done.parents, done.probs, done.kinds + np.uint8(1))  # kind -> Source number
+
+        def add_batched(lo: int, hi: int) -> None:  # batched steps lo .. hi - 1, as one block
+            if hi > lo:
+                a, b = done.offsets[lo], done.offsets[hi]
+                out.add_trees([o - a for o in done.offsets[lo:hi + 1]], tuple(c[a:b] for c in nodes),  # type: ignore[arg-type]
+                              done.confirmed[lo:hi])
+
+        start = k = 0  # batched steps: appended before ``start``, seen before ``k``
+        for sess, tree, confirmed, _ in run:
+            if sess is not None:
+                k += 1
+                continue
+            add_batched(start, k)
+            out.add_tree(tree, confirmed)
+            start = k
+        add_batched(start, k)
 
     def end_session(self, session_id: str, accepted: TokenIds, caller: Caller | None = None) -> int:
         """Store the request durably and close its session; returns the tokens stored."""
