@@ -1163,6 +1163,8 @@ typedef struct {
     /* Refreshes ``leader`` (found at node ``where`` by a peek, or looked up again when the table changed since),
      * as the query it stands for would have; nothing for a leader the table no longer holds. */
     void (*touch)(PyObject *table, const int32_t *leader, uint32_t where);
+    /* touch for n leaders (leaders: n * LL tokens) one after another, their nodes read ahead. */
+    void (*touch_many)(PyObject *table, const int32_t *leaders, const uint32_t *where, Py_ssize_t n);
 } LRUTableCAPI;
 
 static void refresh(LRUTable *t, uint32_t idx) {
@@ -1200,6 +1202,23 @@ static void capi_touch(PyObject *obj, const int32_t *leader, uint32_t where) {
     if (where != NIL) refresh(t, where);
 }
 
+static void capi_touch_many(PyObject *obj, const int32_t *leaders, const uint32_t *where, Py_ssize_t n) {
+    LRUTable *t = (LRUTable *)obj;
+    const Core *c = &t->c;
+    enum { AHEAD = 8 };  /* a refresh reads its node, then its neighbours: both are fetched ahead */
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
+        if (where[i] < c->n) __builtin_prefetch(&c->nodes[where[i]]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n && where[i + AHEAD] < c->n) __builtin_prefetch(&c->nodes[where[i + AHEAD]]);
+        if (i + AHEAD / 2 < n && where[i + AHEAD / 2] < c->n) {
+            const Leader *L = &c->nodes[where[i + AHEAD / 2]];
+            if (L->prev < c->n) __builtin_prefetch(&c->nodes[L->prev]);
+            if (L->next < c->n) __builtin_prefetch(&c->nodes[L->next]);
+        }
+        capi_touch(obj, leaders + (size_t)i * (size_t)t->ll, where[i]);
+    }
+}
+
 static int capi_query(PyObject *obj, const int32_t *leader, int limit, int32_t *out_tokens, int64_t *out_counts,
                       int *fl_out) {
     uint32_t where;
@@ -1226,7 +1245,8 @@ static Py_ssize_t capi_update(PyObject *obj, const int32_t *tokens, Py_ssize_t n
     return pairs;
 }
 
-static LRUTableCAPI c_api = {&LRUTableType, capi_query, capi_leader_len, capi_update, capi_peek, capi_touch};
+static LRUTableCAPI c_api = {&LRUTableType, capi_query, capi_leader_len, capi_update, capi_peek, capi_touch,
+                             capi_touch_many};
 
 static struct PyModuleDef lru_module = {
     PyModuleDef_HEAD_INIT,
