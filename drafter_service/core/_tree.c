@@ -191,6 +191,7 @@ typedef struct {
     int (*peek)(PyObject *table, const int *leader, int limit, int *out_tokens, int64_t *out_counts, int *fl_out,
                 uint32_t *where);
     void (*touch)(PyObject *table, const int *leader, uint32_t where);
+    void (*touch_many)(PyObject *table, const int *leaders, const uint32_t *where, Py_ssize_t n);
 } LRUTableCAPI;
 static LRUTableCAPI *lru_api;
 #define LRU_NIL UINT32_MAX  /* a peek's ``where`` for an unknown leader */
@@ -714,16 +715,19 @@ typedef struct {
 static int ld_int(const char *base, Py_ssize_t i) { int v; memcpy(&v, base + 4 * i, 4); return v; }
 static double ld_double(const char *base, Py_ssize_t i) { double v; memcpy(&v, base + 8 * i, 8); return v; }
 
+/* A packed draft: bytes, or the bytearray the batched step keeps rewriting for its session. */
 static int packed_view(PyObject *obj, Packed *p) {
-    if (!PyBytes_Check(obj) || PyBytes_GET_SIZE(obj) < 8) {
-        PyErr_SetString(PyExc_TypeError, "a packed draft must be bytes");
+    int array = PyByteArray_Check(obj);
+    if ((!array && !PyBytes_Check(obj)) || (array ? PyByteArray_GET_SIZE(obj) : PyBytes_GET_SIZE(obj)) < 8) {
+        PyErr_SetString(PyExc_TypeError, "a packed draft must be bytes or a bytearray");
         return -1;
     }
-    const char *d = PyBytes_AS_STRING(obj);
+    const char *d = array ? PyByteArray_AS_STRING(obj) : PyBytes_AS_STRING(obj);
+    Py_ssize_t size = array ? PyByteArray_GET_SIZE(obj) : PyBytes_GET_SIZE(obj);
     p->n = ld_int(d, 0);
     p->nev = ld_int(d, 1);
     Py_ssize_t need = 8 + 4 * ((Py_ssize_t)p->n * 4 + 1 + p->nev) + 8 * (Py_ssize_t)p->nev;
-    if (p->n < 0 || p->nev < 0 || PyBytes_GET_SIZE(obj) != need) {
+    if (p->n < 0 || p->nev < 0 || size != need) {
         PyErr_SetString(PyExc_ValueError, "malformed packed draft");
         return -1;
     }
@@ -1021,6 +1025,9 @@ enum { JOB_IDLE, JOB_DRAFT, JOB_PYTHON, JOB_DONE };
 
 /* One session of a batched step. */
 typedef struct {
+    PyObject *sess;   /* the DraftSession (borrowed from the caller's list) */
+    PyObject *last;   /* its last packed draft (a new reference; None when it has none) */
+    int adaptive;     /* its budget adapts (else the batch sees FULL_BUDGET_EMA and its own average goes on) */
     Py_buffer vb;     /* the session's tokens (int32), held for the whole step */
     long n, budget, confirmed, scored;
     int appended;     /* tokens were appended: its last draft is spent */
@@ -1186,15 +1193,29 @@ static int apply_touches(const Builder *cfg, const Job *jobs, Py_ssize_t nb, con
         }
         if (last[i]) slot_rec[at] = i;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!last[i]) continue;
-        int table, leader[MAX_LEADER];
-        uint32_t where;
-        memcpy(&table, rec[i], sizeof table);
-        memcpy(&where, rec[i] + sizeof(int), sizeof where);
-        memcpy(leader, rec[i] + 2 * sizeof(int), sizeof(int) * (size_t)cfg->leader_len);
-        lru_api->touch(cfg->tables[table], leader, where);
+    /* The last touches, gathered table by table (the tables' orders are their own), refreshed in order. */
+    Py_ssize_t L = cfg->leader_len;
+    uint32_t *where = PyMem_RawMalloc(sizeof(uint32_t) * (size_t)n);
+    int *leaders = PyMem_RawMalloc(sizeof(int) * (size_t)(n * L));
+    if (!where || !leaders) {
+        PyMem_RawFree(where); PyMem_RawFree(leaders); PyMem_RawFree(rec); PyMem_RawFree(slot_rec); PyMem_RawFree(last);
+        PyErr_NoMemory();
+        return -1;
     }
+    for (int t = 0; t < cfg->ntables; t++) {
+        Py_ssize_t m = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int table;
+            memcpy(&table, rec[i], sizeof table);
+            if (!last[i] || table != t) continue;
+            memcpy(&where[m], rec[i] + sizeof(int), sizeof(uint32_t));
+            memcpy(&leaders[m * L], rec[i] + 2 * sizeof(int), sizeof(int) * (size_t)L);
+            m++;
+        }
+        if (m) lru_api->touch_many(cfg->tables[t], leaders, where, m);
+    }
+    PyMem_RawFree(where);
+    PyMem_RawFree(leaders);
     PyMem_RawFree(rec);
     PyMem_RawFree(slot_rec);
     PyMem_RawFree(last);
@@ -1223,34 +1244,140 @@ static void draft_worker(void *arg, int w) {
     quiet = 0;
 }
 
+/* The DraftSession attributes and methods the batched step reads, writes and calls (DraftSession lists them). */
+static PyObject *a_tokens, *a_len, *a_last_packed, *a_last_evidence, *a_ema, *a_policy, *a_adaptive, *a_steps,
+    *a_drafted, *a_accepted, *m_reserve, *m_batch_state;
+
+static int intern_session_names(void) {
+    struct { PyObject **slot; const char *name; } names[] = {
+        {&a_tokens, "_tokens"}, {&a_len, "_len"}, {&a_last_packed, "_last_packed"},
+        {&a_last_evidence, "_last_evidence"}, {&a_ema, "_ema_accepted"}, {&a_policy, "policy"},
+        {&a_adaptive, "adaptive"}, {&a_steps, "steps"}, {&a_drafted, "drafted"}, {&a_accepted, "accepted"},
+        {&m_reserve, "reserve"}, {&m_batch_state, "batch_state"}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!(*names[i].slot = PyUnicode_InternFromString(names[i].name))) return -1;
+    return 0;
+}
+
+/* An int or float attribute of ``obj``; -1 (with an exception) on error. */
+static int long_attr(PyObject *obj, PyObject *name, long *out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v) return -1;
+    *out = PyLong_AsLong(v);
+    Py_DECREF(v);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+static int double_attr(PyObject *obj, PyObject *name, double *out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v) return -1;
+    *out = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* Sets a new reference (NULL: an error already raised) as an attribute of ``obj``, consuming it. */
+static int set_attr(PyObject *obj, PyObject *name, PyObject *value) {
+    if (!value) return -1;
+    int rc = PyObject_SetAttr(obj, name, value);
+    Py_DECREF(value);
+    return rc;
+}
+
+/* attribute += by, for an int attribute. */
+static int add_attr(PyObject *obj, PyObject *name, long by) {
+    long v;
+    return long_attr(obj, name, &v) < 0 ? -1 : set_attr(obj, name, PyLong_FromLong(v + by));
+}
+
+/* Session s's state into job j for the first pass: its draft to score, its averaged acceptance and its tokens'
+ * buffer, grown to take k more (DraftSession.batch_state and reserve). */
+static int job_read(Job *j, PyObject *sess, long k, double full_budget_ema) {
+    j->sess = sess;
+    PyObject *ev = PyObject_GetAttr(sess, a_last_evidence);
+    if (!ev) return -1;
+    int single = ev != Py_None;  /* a draft of the single path: packed first, to be scored the same way */
+    Py_DECREF(ev);
+    if (single) {
+        PyObject *r = PyObject_CallMethodNoArgs(sess, m_batch_state);
+        if (!r) return -1;
+        Py_DECREF(r);
+    }
+    if (long_attr(sess, a_len, &j->n) < 0) return -1;
+    if (!(j->last = PyObject_GetAttr(sess, a_last_packed))) return -1;
+    PyObject *policy = PyObject_GetAttr(sess, a_policy), *adaptive = policy ? PyObject_GetAttr(policy, a_adaptive) : NULL;
+    Py_XDECREF(policy);
+    j->adaptive = adaptive ? PyObject_IsTrue(adaptive) : -1;
+    Py_XDECREF(adaptive);
+    if (j->adaptive < 0) return -1;
+    j->ema = full_budget_ema;
+    if (j->adaptive && double_attr(sess, a_ema, &j->ema) < 0) return -1;
+    PyObject *buf = PyObject_GetAttr(sess, a_tokens);
+    if (!buf) return -1;
+    if (PyObject_GetBuffer(buf, &j->vb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        j->vb.obj = NULL;
+        Py_DECREF(buf);
+        return -1;
+    }
+    Py_DECREF(buf);
+    if (j->vb.itemsize == 4 && j->vb.len / 4 >= j->n + k) return 0;
+    PyBuffer_Release(&j->vb);  /* too small: DraftSession.reserve grows it */
+    PyObject *extra = PyLong_FromLong(k);
+    buf = extra ? PyObject_CallMethodOneArg(sess, m_reserve, extra) : NULL;
+    Py_XDECREF(extra);
+    if (!buf) return -1;
+    int rc = PyObject_GetBuffer(buf, &j->vb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS);
+    Py_DECREF(buf);
+    if (rc < 0) j->vb.obj = NULL;
+    return rc;
+}
+
+/* What the step did to session j (DraftSession.stepped): its length, the draft it left to score, its average and
+ * its counts. */
+static int job_write(const Job *j, PyObject *new_last) {
+    PyObject *sess = j->sess;
+    if (set_attr(sess, a_len, PyLong_FromLong(j->n)) < 0 || set_attr(sess, a_last_packed, Py_NewRef(new_last)) < 0)
+        return -1;
+    if (j->adaptive) {
+        if (set_attr(sess, a_ema, PyFloat_FromDouble(j->ema)) < 0) return -1;
+    } else if (j->scored) {  /* the batch saw FULL_BUDGET_EMA: the session's own average goes on from its own */
+        double own;
+        if (double_attr(sess, a_ema, &own) < 0 ||
+            set_attr(sess, a_ema, PyFloat_FromDouble(own + 0.25 * ((double)j->confirmed - own))) < 0)
+            return -1;
+    }
+    if (j->scored && (add_attr(sess, a_steps, 1) < 0 || add_attr(sess, a_drafted, j->scored) < 0 ||
+                      add_attr(sess, a_accepted, j->confirmed) < 0))
+        return -1;
+    return 0;
+}
+
 /* Sessions a thread drafts at least, for a step to be drafted on more than one (waking a helper costs some). */
 #define JOBS_PER_THREAD 8
 
-/* steps(buffers, lengths, accepted, offsets, lasts, limits, report, emas, settings)
- * One engine step of many sessions, in two passes: every session's last packed draft is scored against its
+/* steps(sessions, accepted, offsets, limits, report, settings)
+ * One engine step of many DraftSessions, read and updated in place, in two passes: every session's last packed draft is scored against its
  * accepted tokens and they are appended (teaching the dynamic table), in order; then each one (unless report-only)
  * is drafted within its budget from its own tokens, the store and the tables, as a single draft call after all
  * those corrections would draft it. The second pass only reads what they share (table queries refresh their
  * leaders afterwards, in the same order), so it runs on up to ``threads`` threads at once, and gives the same
  * trees on any number. See ``batch_steps.draft_steps`` for the arguments. */
 static PyObject *steps(PyObject *self, PyObject *args) {
-    PyObject *bufs, *lens, *accepted_o, *offsets, *lasts, *limits, *report, *emas, *settings;
-    if (!PyArg_ParseTuple(args, "O!O!OO!O!O!O!O!O!", &PyList_Type, &bufs, &PyList_Type, &lens, &accepted_o,
-                          &PyList_Type, &offsets, &PyList_Type, &lasts, &PyList_Type, &limits, &PyList_Type, &report,
-                          &PyList_Type, &emas, &PyTuple_Type, &settings))
+    PyObject *sessions, *accepted_o, *offsets, *limits, *report, *settings;
+    if (!PyArg_ParseTuple(args, "O!OO!O!O!O!", &PyList_Type, &sessions, &accepted_o, &PyList_Type, &offsets,
+                          &PyList_Type, &limits, &PyList_Type, &report, &PyTuple_Type, &settings))
         return NULL;
     PyObject *session_fn, *store_fn, *store_args, *fallback, *dynamic, *tables_obj, *acc_obj, *trials_obj;
     int use_session, use_store, ctx_len, leader_len, max_match, max_occ, max_depth, branch, adaptive, min_nodes;
     int threads;
-    double min_prob, strength, horizon;
-    if (!PyArg_ParseTuple(settings, "iOiOOOOOiiOOddiiidiiii", &use_session, &session_fn, &use_store, &store_fn,
+    double min_prob, strength, horizon, full_budget_ema;
+    if (!PyArg_ParseTuple(settings, "iOiOOOOOiiOOddiiidiiiid", &use_session, &session_fn, &use_store, &store_fn,
                           &store_args, &fallback, &dynamic, &tables_obj, &ctx_len, &leader_len, &acc_obj, &trials_obj,
                           &strength, &horizon, &max_match, &max_occ, &max_depth, &min_prob, &branch, &adaptive,
-                          &min_nodes, &threads))
+                          &min_nodes, &threads, &full_budget_ema))
         return NULL;
-    Py_ssize_t nb = PyList_GET_SIZE(bufs);
-    if (PyList_GET_SIZE(lens) != nb || PyList_GET_SIZE(offsets) != nb + 1 || PyList_GET_SIZE(lasts) != nb ||
-        PyList_GET_SIZE(limits) != nb || PyList_GET_SIZE(report) != nb || PyList_GET_SIZE(emas) != nb) {
+    Py_ssize_t nb = PyList_GET_SIZE(sessions);
+    if (PyList_GET_SIZE(offsets) != nb + 1 || PyList_GET_SIZE(limits) != nb || PyList_GET_SIZE(report) != nb) {
         PyErr_SetString(PyExc_ValueError, "per-session lists of different lengths");
         return NULL;
     }
@@ -1277,8 +1404,7 @@ static PyObject *steps(PyObject *self, PyObject *args) {
     Py_buffer vacc = {0}, vtr = {0}, vin = {0};
     PyObject *tables = NULL, *result = NULL;
     PyObject *o_off = NULL, *o_conf = NULL;
-    Buf n_tok = BUF(int), n_par = BUF(int), n_prob = BUF(double), n_kind = BUF(unsigned char);
-    PyObject *o_last = NULL, *o_len = NULL, *o_ema = NULL, *o_scored = NULL, *o_lat = NULL;
+    Buf n_tok = BUF(int), n_par = BUF(int), n_prob = BUF(double), n_kind = BUF(unsigned char), n_lat = BUF(int64_t);
     long drafted_kinds[4] = {0, 0, 0, 0}, confirmed_kinds[4] = {0, 0, 0, 0};
     int kinds_tmp[1024];
     Job *jobs = PyMem_Calloc(nb ? (size_t)nb : 1, sizeof(Job));
@@ -1301,10 +1427,9 @@ static PyObject *steps(PyObject *self, PyObject *args) {
     if (!tables || parse_tables(&cfg, tables) < 0) goto done;
     cfg.leader_len = leader_len; cfg.max_depth = max_depth; cfg.min_prob = min_prob; cfg.branch = branch;
     sc.m_o = PyLong_FromLong(max_match); sc.occ_o = PyLong_FromLong(max_occ); sc.dep_o = PyLong_FromLong(max_depth);
-    o_off = PyList_New(nb + 1); o_conf = PyList_New(nb); o_last = PyList_New(nb); o_len = PyList_New(nb);
-    o_ema = PyList_New(nb); o_scored = PyList_New(nb); o_lat = PyList_New(nb);  /* filled in the last pass */
-    if (!sc.m_o || !sc.occ_o || !sc.dep_o || !o_off || !o_conf || !o_last || !o_len || !o_ema || !o_scored || !o_lat ||
-        set_long(o_off, 0, 0) < 0)
+    o_off = PyList_New(nb + 1); o_conf = PyList_New(nb);  /* filled in the last pass */
+    if (!sc.m_o || !sc.occ_o || !sc.dep_o || !o_off || !o_conf || set_long(o_off, 0, 0) < 0 ||
+        buf_reserve(&n_lat, nb) < 0)
         goto done;
     const int *flat = (const int *)vin.buf;
     Py_ssize_t nflat = vin.len / 4, ndraft = 0;
@@ -1314,22 +1439,20 @@ static PyObject *steps(PyObject *self, PyObject *args) {
         int64_t t0 = now_ns();
         Job *j = &jobs[s];
         j->kept_by = -1;
-        PyObject *buf = PyList_GET_ITEM(bufs, s), *last = PyList_GET_ITEM(lasts, s);
-        long n = list_long(lens, s), lo = list_long(offsets, s), hi = list_long(offsets, s + 1);
+        long lo = list_long(offsets, s), hi = list_long(offsets, s + 1);
         long limit = list_long(limits, s);
         int rep = PyObject_IsTrue(PyList_GET_ITEM(report, s));
-        double ema = PyFloat_AsDouble(PyList_GET_ITEM(emas, s));
         if (PyErr_Occurred() || rep < 0) goto done;
-        if (lo < 0 || hi < lo || hi > nflat || n < 0) {
+        if (lo < 0 || hi < lo || hi > nflat) {
             PyErr_SetString(PyExc_ValueError, "accepted offsets out of range");
             goto done;
         }
-        if (PyObject_GetBuffer(buf, &j->vb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-            j->vb.obj = NULL;
-            goto done;
-        }
         long k = hi - lo;
-        if (j->vb.itemsize != 4 || j->vb.len / 4 < n + k) {
+        if (job_read(j, PyList_GET_ITEM(sessions, s), k, full_budget_ema) < 0) goto done;
+        PyObject *last = j->last;
+        long n = j->n;
+        double ema = j->ema;
+        if (j->vb.itemsize != 4 || j->vb.len / 4 < n + k || n < 0) {
             PyErr_SetString(PyExc_ValueError, "a session buffer is not an int32 array with room for its tokens");
             goto done;
         }
@@ -1357,7 +1480,7 @@ static PyObject *steps(PyObject *self, PyObject *args) {
             if (dynamic && lru_api && Py_TYPE(dynamic) == lru_api->type) {
                 if (lru_api->update(dynamic, tok + from, n - from, before - from) < 0) goto done;
             } else if (dynamic) {
-                PyObject *window = PySequence_GetSlice(buf, from, n);
+                PyObject *window = PySequence_GetSlice(j->vb.obj, from, n);
                 PyObject *nf = window ? PyLong_FromLong(before < 8 ? before : 8) : NULL;
                 PyObject *uargs[3] = {dynamic, window, nf};
                 PyObject *r = nf ? PyObject_VectorcallMethod(update_name, uargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
@@ -1435,28 +1558,34 @@ static PyObject *steps(PyObject *self, PyObject *args) {
             }
             n_tok.len += nn; n_par.len += nn; n_prob.len += nn; n_kind.len += nn;
             node_total += (long)nn;
-            if (!(new_last = PyBytes_FromStringAndSize(pk, h.packed))) goto done;
+            /* into the session's last one when it is the step's bytearray: no object made and freed a session */
+            if (PyByteArray_CheckExact(j->last) && PyByteArray_Resize(j->last, h.packed) == 0) {
+                memcpy(PyByteArray_AS_STRING(j->last), pk, (size_t)h.packed);
+                new_last = Py_NewRef(j->last);
+            } else {
+                PyErr_Clear();  /* exported elsewhere (or bytes): a new one */
+                if (!(new_last = PyByteArray_FromStringAndSize(pk, h.packed))) goto done;
+            }
         } else {  /* drafted nothing, or not drafted: a spent draft is dropped, an unscored one kept */
-            new_last = Py_NewRef(j->state == JOB_DONE || j->appended ? Py_None : PyList_GET_ITEM(lasts, s));
+            new_last = Py_NewRef(j->state == JOB_DONE || j->appended ? Py_None : j->last);
         }
-        PyList_SET_ITEM(o_last, s, new_last);
-        PyObject *ema = PyFloat_FromDouble(j->ema);
-        if (!ema) goto done;
-        PyList_SET_ITEM(o_ema, s, ema);
-        if (set_long(o_off, s + 1, node_total) < 0 || set_long(o_conf, s, j->confirmed) < 0 ||
-            set_long(o_len, s, j->n) < 0 || set_long(o_scored, s, j->scored) < 0 || set_long(o_lat, s, (long)j->ns) < 0)
-            goto done;
+        int err = job_write(j, new_last);
+        Py_DECREF(new_last);
+        AT(n_lat, int64_t, s) = j->ns;
+        if (err < 0 || set_long(o_off, s + 1, node_total) < 0 || set_long(o_conf, s, j->confirmed) < 0) goto done;
     }
+    n_lat.len = nb;
 #define BYTES_OF(b) ((b).data ? (const char *)(b).data : ""), (b).len * (b).item  /* y# gives None for NULL */
-    result = Py_BuildValue("(Oy#y#y#y#OOOOOO(llll)(llll))", o_off, BYTES_OF(n_tok), BYTES_OF(n_par),
-                           BYTES_OF(n_prob), BYTES_OF(n_kind), o_conf, o_last, o_len,
-                           o_ema, o_scored, o_lat, drafted_kinds[0], drafted_kinds[1], drafted_kinds[2],
-                           drafted_kinds[3], confirmed_kinds[0], confirmed_kinds[1], confirmed_kinds[2],
-                           confirmed_kinds[3]);
+    result = Py_BuildValue("(Oy#y#y#y#Oy#(llll)(llll))", o_off, BYTES_OF(n_tok), BYTES_OF(n_par),
+                           BYTES_OF(n_prob), BYTES_OF(n_kind), o_conf, BYTES_OF(n_lat), drafted_kinds[0],
+                           drafted_kinds[1], drafted_kinds[2], drafted_kinds[3], confirmed_kinds[0],
+                           confirmed_kinds[1], confirmed_kinds[2], confirmed_kinds[3]);
 done:
     if (jobs) {
-        for (Py_ssize_t s = 0; s < nb; s++)
+        for (Py_ssize_t s = 0; s < nb; s++) {
             if (jobs[s].vb.obj) PyBuffer_Release(&jobs[s].vb);
+            Py_XDECREF(jobs[s].last);
+        }
         PyMem_Free(jobs);
     }
     worker_free(&own);
@@ -1468,9 +1597,8 @@ done:
     if (vin.obj) PyBuffer_Release(&vin);
     Py_XDECREF(tables);
     Py_XDECREF(sc.m_o); Py_XDECREF(sc.occ_o); Py_XDECREF(sc.dep_o);
-    buf_free(&n_tok); buf_free(&n_par); buf_free(&n_prob); buf_free(&n_kind);
-    Py_XDECREF(o_off); Py_XDECREF(o_conf); Py_XDECREF(o_last); Py_XDECREF(o_len); Py_XDECREF(o_ema); Py_XDECREF(o_scored);
-    Py_XDECREF(o_lat);
+    buf_free(&n_tok); buf_free(&n_par); buf_free(&n_prob); buf_free(&n_kind); buf_free(&n_lat);
+    Py_XDECREF(o_off); Py_XDECREF(o_conf);
     return result;
 }
 
@@ -1493,7 +1621,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tree", "Native draf
 PyMODINIT_FUNC PyInit__tree(void) {
     query_name = PyUnicode_InternFromString("query");
     update_name = PyUnicode_InternFromString("update");
-    if (!query_name || !update_name) return NULL;
+    if (!query_name || !update_name || intern_session_names() < 0) return NULL;
     PyObject *lru = PyImport_ImportModule("store._lru");  /* PyCapsule_Import does not import submodules */
     Py_XDECREF(lru);
     lru_api = lru ? (LRUTableCAPI *)PyCapsule_Import("store._lru._C_API", 0) : NULL;

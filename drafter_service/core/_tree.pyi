@@ -26,21 +26,20 @@ def pack(token_ids: Sequence[int], parents: Sequence[int], kinds: Sequence[int],
     """A packed draft (a tree with its source kinds and evidence in one buffer) that ``score_packed`` scores."""
     ...
 
-def score_packed(packed: bytes, accepted: Sequence[int], model_accepted: array[float], model_trials: array[float],
-                 prior_strength: float, horizon: float) -> tuple[int, int, list[int]]:
+def score_packed(packed: bytes | bytearray, accepted: Sequence[int], model_accepted: array[float],
+                 model_trials: array[float], prior_strength: float, horizon: float) -> tuple[int, int, list[int]]:
     """``score`` over a packed draft: (draft tokens accepted, nodes, source kind of each accepted node)."""
     ...
 
-def steps(buffers: list[np.ndarray], lengths: list[int], accepted: np.ndarray, offsets: list[int],
-          lasts: list[bytes | None], limits: list[int], report: list[bool], emas: list[float],
+def steps(sessions: list[Any], accepted: np.ndarray, offsets: list[int], limits: list[int], report: list[bool],
           settings: tuple[Any, ...],
-          ) -> tuple[list[int], bytes, bytes, bytes, bytes, list[int], list[bytes | None], list[int],
-                     list[float], list[int], list[int], tuple[int, int, int, int], tuple[int, int, int, int]]:
-    """One engine step of many sessions, each scored and appended in order, then each drafted, on up to the
-    settings' last item of threads (see ``batch_steps``):
-    (tree offsets, token ids, parents, probs, source kinds, confirmed, packed drafts, lengths, averaged accepted
-    tokens, nodes scored, latencies in ns, nodes drafted per kind, nodes confirmed per kind). Every node's token
-    id, parent and kind come packed in native byte order, as int32, int32, float64 and uint8 arrays."""
+          ) -> tuple[list[int], bytes, bytes, bytes, bytes, list[int], bytes, tuple[int, int, int, int],
+                     tuple[int, int, int, int]]:
+    """One engine step of many DraftSessions, read and updated in place: each scored and appended in order, then
+    each drafted, on up to the settings' threads (see ``batch_steps``): (tree offsets, token ids, parents, probs,
+    source kinds, confirmed, latencies in ns, nodes drafted per kind, nodes confirmed per kind). Every node's token
+    id, parent and kind, and every latency, come packed in native byte order, as int32, int32, float64, uint8 and
+    int64 arrays."""
     ...
 
 def threads() -> tuple[int, int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -12,7 +11,7 @@ import numpy as np
 import store.match_kernels as kernels
 from drafter_service.core.acceptance import AcceptanceModel
 from drafter_service.core.config import DrafterConfig, default_batch_threads
-from drafter_service.core.session import BudgetPolicy, DraftSession, batch_states, batch_stepped, lookup_tokens
+from drafter_service.core.session import FULL_BUDGET_EMA, BudgetPolicy, DraftSession, lookup_tokens
 from drafter_service.core.tree_builder import native_module
 from store.ngram_table import NativeLRUTable
 from store.token_store import Continuations, TokenStore
@@ -40,7 +39,7 @@ class StepsOutcome:
     0 session, 1 store, 2 dynamic, 3 frozen; see ``tree_builder.SOURCE_NAMES``), every node's in one array.
 
     Attributes:
-        latencies_ns: time of each session's step.
+        latencies_ns: (sessions,) int64 time of each session's step.
         drafted_by_kind: nodes drafted per source kind.
         confirmed_by_kind: confirmed nodes of the scored drafts per source kind.
     """
@@ -51,7 +50,7 @@ class StepsOutcome:
     probs: np.ndarray
     kinds: np.ndarray
     confirmed: list[int]
-    latencies_ns: list[int]
+    latencies_ns: np.ndarray
     drafted_by_kind: tuple[int, int, int, int]
     confirmed_by_kind: tuple[int, int, int, int]
 
@@ -86,7 +85,6 @@ def draft_steps(drafter: Drafting, sessions: Sequence[DraftSession], accepted: n
     assert native is not None
     cfg = drafter.config
     store = drafter.store
-    bufs, lens, lasts, emas = batch_states(sessions, [hi - lo for lo, hi in itertools.pairwise(offsets)])
     store_native = store.native_lookup_args() if cfg.use_store else None
     session_fn = kernels.native.session_lookup if kernels.native is not None else None
 
@@ -106,12 +104,11 @@ def draft_steps(drafter: Drafting, sessions: Sequence[DraftSession], accepted: n
                 store_native[1] if store_native else None, fallback, drafter.dynamic if cfg.use_dynamic else None,
                 tables, cfg.leader_len, leader_len, model.accepted, model.trials, model.prior_strength,
                 float(model.horizon), cfg.max_match, cfg.max_occurrences, cfg.max_depth, cfg.min_prob, cfg.branch,
-                int(policy.adaptive), policy.min_nodes, cfg.batch_threads or _DEFAULT_THREADS)
-    with model.lock:
-        (tree_offsets, token_ids, parents, probs, kinds, confirmed, packed_drafts, new_lens, new_emas, scored,
-         latencies, drafted_by_kind, confirmed_by_kind) = native.steps(
-            bufs, lens, accepted, offsets, lasts, limits, report, emas, settings)
-    batch_stepped(sessions, new_lens, packed_drafts, new_emas, scored, confirmed)
+                int(policy.adaptive), policy.min_nodes, cfg.batch_threads or _DEFAULT_THREADS, FULL_BUDGET_EMA)
+    with model.lock:  # the sessions are read and updated in place (DraftSession.batch_state, stepped)
+        (tree_offsets, token_ids, parents, probs, kinds, confirmed, latencies, drafted_by_kind,
+         confirmed_by_kind) = native.steps(sessions if type(sessions) is list else list(sessions), accepted, offsets,
+                                           limits, report, settings)
     return StepsOutcome(tree_offsets, np.frombuffer(token_ids, np.int32), np.frombuffer(parents, np.int32),
-                        np.frombuffer(probs, np.float64), np.frombuffer(kinds, np.uint8), confirmed, latencies,
-                        drafted_by_kind, confirmed_by_kind)
+                        np.frombuffer(probs, np.float64), np.frombuffer(kinds, np.uint8), confirmed,
+                        np.frombuffer(latencies, np.int64), drafted_by_kind, confirmed_by_kind)

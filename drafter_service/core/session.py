@@ -93,6 +93,11 @@ class DraftSession:
 
     Created by ``Drafter.start``; ``extend`` appends what the target accepted and learns from how the last
     draft fared; ``propose`` drafts the next tree.
+
+    The batched native step (``batch_steps.draft_steps``) takes a session in place: it calls ``batch_state`` and,
+    when the buffer is short, ``reserve``; reads ``_tokens``, ``_len``, ``_last_packed``, ``_ema_accepted`` and
+    ``policy.adaptive``; and writes back ``_len``, ``_last_packed``, ``_ema_accepted`` (for a fixed budget, the
+    average ``_count`` keeps) and ``steps``, ``drafted``, ``accepted`` as ``_count`` counts a scored draft.
     """
 
     def __init__(self, session_id: str, prompt: np.ndarray, max_nodes: int, model: AcceptanceModel,
@@ -108,7 +113,8 @@ class DraftSession:
         self._last_tree: DraftTree = EMPTY_TREE  # the model-free part of the last draft
         self._last_evidence: Evidence | None = None
         self._last_served: DraftTree | None = None  # the last draft as served, when it differs
-        self._last_packed: bytes | None = None  # the last draft and its evidence, packed, when the batch drafted it
+        # the last draft and its evidence, packed, when the batch drafted it (a bytearray it rewrites step by step)
+        self._last_packed: bytes | bytearray | None = None
         self.card: ModelSession | None = None  # the draft model's cache, when the namespace has one
         # The last draft with and without the model's nodes, while its worker ran (the model gate scores both).
         self.model_shadow: tuple[DraftTree, DraftTree, bool] | None = None  # (model-free, merged, model empty)
@@ -159,29 +165,17 @@ class DraftSession:
         last draft served as it was built."""
         return not self.closed and self.card is None and self.repeat is None and self._last_served is None
 
-    def batch_state(self) -> tuple[int, bytes | None, float]:
+    def batch_state(self) -> tuple[int, bytes | bytearray | None, float]:
         """(length, packed last draft, averaged accepted tokens): what the batched step reads.
 
-        A last draft of the single path (a natively built tree) is packed first; the batch scores it the same way.
+        A last draft of the single path (a natively built tree) is packed first; the batch scores it the same way
+        (the batched step calls this when ``_last_evidence`` is set).
         """
         if len(self._last_tree) and self._last_evidence is not None:
             self._last_packed = pack_draft(self._last_tree, self._last_evidence)
             self._last_tree, self._last_evidence = EMPTY_TREE, None
         # a fixed budget shows the batch an average so high that adapting it keeps the whole limit
         return self._len, self._last_packed, self._ema_accepted if self.policy.adaptive else FULL_BUDGET_EMA
-
-    def stepped(self, length: int, packed: bytes | None, ema_accepted: float, scored: int, confirmed: int) -> None:
-        """Take in what the batched step did: the new length, the draft it left to score (``packed``), the new
-        average, and the nodes of the last draft it scored (0: none) with how many of them were confirmed."""
-        self._len, self._last_packed = length, packed
-        if self.policy.adaptive:
-            self._ema_accepted = ema_accepted
-        elif scored:
-            self._ema_accepted += 0.25 * (confirmed - self._ema_accepted)
-        if scored:
-            self.steps += 1
-            self.drafted += scored
-            self.accepted += confirmed
 
     def extend(self, accepted: np.ndarray) -> Confirmation:
         """Correction step: learn which nodes of the last draft were accepted, then append ``accepted``.
@@ -250,38 +244,3 @@ class DraftSession:
         self._last_tree, self._last_evidence = tree, evidence
         self._last_served = served if served is not tree else None
         self._last_packed = None
-
-
-def batch_states(sessions: Sequence[DraftSession], counts: Sequence[int],
-                 ) -> tuple[list[np.ndarray], list[int], list[bytes | None], list[float]]:
-    """What the batched step reads of each session (``DraftSession.batch_state``), each token buffer grown to take
-    ``counts[i]`` more tokens: (buffers, lengths, packed last drafts, averaged accepted tokens), in one pass."""
-    bufs: list[np.ndarray] = []
-    lens: list[int] = []
-    lasts: list[bytes | None] = []
-    emas: list[float] = []
-    for sess, extra in zip(sessions, counts, strict=True):
-        if sess._len + extra > sess._tokens.size:
-            sess.reserve(extra)
-        if sess._last_evidence is not None:  # a draft of the single path: packed to be scored the same way
-            sess.batch_state()
-        bufs.append(sess._tokens)
-        lens.append(sess._len)
-        lasts.append(sess._last_packed)
-        emas.append(sess._ema_accepted if sess.policy.adaptive else FULL_BUDGET_EMA)
-    return bufs, lens, lasts, emas
-
-
-def batch_stepped(sessions: Sequence[DraftSession], lengths: Sequence[int], packed: Sequence[bytes | None],
-                  emas: Sequence[float], scored: Sequence[int], confirmed: Sequence[int]) -> None:
-    """``DraftSession.stepped`` for every session of a batched step, in one pass."""
-    for sess, length, last, ema, nodes, n_acc in zip(sessions, lengths, packed, emas, scored, confirmed, strict=True):
-        sess._len, sess._last_packed = length, last
-        if sess.policy.adaptive:
-            sess._ema_accepted = ema
-        elif nodes:  # the batch saw FULL_BUDGET_EMA: the session's own average goes on from its own
-            sess._ema_accepted += 0.25 * (n_acc - sess._ema_accepted)
-        if nodes:
-            sess.steps += 1
-            sess.drafted += nodes
-            sess.accepted += n_acc

@@ -285,7 +285,8 @@ def _build_python(context: Sequence[int], rows_sources: Sequence[RowsSource], ta
     return tree, (offsets, all_keys, all_priors)
 
 
-def score_packed(packed: bytes, accepted: Sequence[int], model: AcceptanceModel) -> tuple[int, int, list[int]]:
+def score_packed(packed: bytes | bytearray, accepted: Sequence[int], model: AcceptanceModel,
+                 ) -> tuple[int, int, list[int]]:
     """``score_draft`` for a draft the batched step left packed (see ``batch_steps``).
 
     Returns:

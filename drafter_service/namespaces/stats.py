@@ -112,7 +112,8 @@ class DraftCounters:
             self.drafted_tokens += out.offsets[-1]
             self.scored_steps += sum(1 for i in drafted if lengths[i])
             self.confirmed_tokens += sum(out.confirmed)
-            self.latencies_ns.extend(out.latencies_ns[i] for i in drafted)
+            self.latencies_ns.extend(out.latencies_ns[drafted].tolist() if len(drafted) < len(lengths)
+                                     else out.latencies_ns.tolist())
             for into, counts in ((self.drafted_by_source, out.drafted_by_kind),
                                  (self.confirmed_by_source, out.confirmed_by_kind)):
                 for name, n in zip(SOURCE_NAMES, counts, strict=True):

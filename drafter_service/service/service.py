@@ -14,6 +14,7 @@ from drafter_service.api.errors import InvalidArgument, NotFound
 from drafter_service.api.names import DEFAULT_NAMESPACE, check_name
 from drafter_service.api.tree import EMPTY_TREE, DraftTree, TokenIds
 from drafter_service.api.verify_budget import StepCostCurve, best_prefix, cost_points_error
+from drafter_service.core.batch_steps import StepsOutcome
 from drafter_service.core.session import DraftSession
 from drafter_service.namespaces.namespace import Namespace
 from drafter_service.namespaces.stats import NamespaceStats
@@ -309,8 +310,8 @@ class DrafterService:
     def _packed_run(self, packed: PackedSteps, max_nodes: int, step_seconds: float, plain_step_seconds: float,
                     caller: Caller, out: BatchOutcome, bounds: tuple[int, int] | None) -> bool:
         """A batch's packed steps as one run, as ``_batch_steps`` would take them, when nothing in them asks for more
-        (every session live and distinct, of one namespace and batchable; every budget, token id and session's
-        growth within its limits): without a step object per session. False, having done nothing, otherwise."""
+        (every session live and distinct, of one namespace; every budget, token id and session's growth within its
+        limits): without a step object per session. False, having done nothing, otherwise."""
         get, cfg = self.sessions.get, self.config
         try:
             routes = [get(caller, sid) for sid in packed.sessions]
@@ -323,40 +324,68 @@ class DrafterService:
         if min(budgets) < 0 or max(budgets) > cfg.max_nodes_limit:
             return False
         most, offsets, batchable = cfg.max_request_tokens, packed.offsets, ns.drafter.batchable
-        sessions = []
+        sessions, apart = [], []  # apart: the steps of sessions the core cannot batch, taken alone
         for i, (route_ns, sess) in enumerate(routes):
-            if (route_ns is not ns or not batchable(sess)
-                    or len(sess) - sess.prompt_len + offsets[i + 1] - offsets[i] > most):
+            if route_ns is not ns or len(sess) - sess.prompt_len + offsets[i + 1] - offsets[i] > most:
                 return False
             sessions.append(sess)
+            if not batchable(sess):
+                apart.append(i)
         if len(set(map(id, sessions))) < len(sessions):
             return False
-        limits = [b or sess.max_nodes for b, sess in zip(budgets, sessions, strict=True)]
-        done = ns.draft_steps(sessions, packed.tokens, offsets, limits, packed.report, step_seconds,
-                              plain_step_seconds)
-        out.add_trees(done.offsets, (done.token_ids, done.parents, done.probs, done.kinds + np.uint8(1)),
-                      done.confirmed)
+        tokens, report = packed.tokens, packed.report
+        alone = []
+        for i in apart:
+            try:
+                tree, confirmed = ns.draft(sessions[i], tokens[offsets[i]:offsets[i + 1]], budgets[i], report[i],
+                                           step_seconds, plain_step_seconds)
+            except Exception as exc:
+                tree, confirmed = EMPTY_TREE, 0
+                out.step_errors.append((i, exc))
+            alone.append((i, tree, confirmed))
+        taken_apart = set(apart)
+        keep = [i for i in range(len(sessions)) if i not in taken_apart]
+        if apart and keep:  # the batched sessions' tokens, stretch by stretch
+            bounds_of = [(offsets[i], offsets[i + 1]) for i in keep]
+            tokens = np.concatenate([tokens[lo:hi] for lo, hi in bounds_of])
+            offsets = [0, *itertools.accumulate(hi - lo for lo, hi in bounds_of)]
+            report = [report[i] for i in keep]
+        limits = [budgets[i] or sessions[i].max_nodes for i in keep]
+        done = ns.draft_steps([sessions[i] for i in keep], tokens, offsets, limits, report, step_seconds,
+                              plain_step_seconds) if keep else None
+        self._add_run(out, done, alone, len(sessions))
         return True
 
-    @staticmethod
-    def _flush_steps(ns: Namespace | None, run: list[_RunStep], step_seconds: float, plain_step_seconds: float,
+    @classmethod
+    def _flush_steps(cls, ns: Namespace | None, run: list[_RunStep], step_seconds: float, plain_step_seconds: float,
                      out: BatchOutcome) -> None:
         """Draft a run's batchable steps of ``ns`` in one call, then append every tree of the run to ``out`` in
         order (the steps taken alone, and the failed ones, hold theirs already)."""
         batched = [step for step in run if step[0] is not None]
-        if not batched:
-            for _, tree, confirmed, _ in run:
+        alone = [(i, tree, confirmed) for i, (sess, tree, confirmed, _) in enumerate(run) if sess is None]
+        done = None
+        if batched:
+            assert ns is not None
+            arrays = [ids for _, ids, _, _ in batched]
+            done = ns.draft_steps([sess for sess, *_ in batched], np.concatenate(arrays) if len(arrays) > 1  # type: ignore[misc]
+                                  else arrays[0], [0, *itertools.accumulate(a.size for a in arrays)],
+                                  [budget or sess.max_nodes for sess, _, budget, _ in batched],  # type: ignore[union-attr]
+                                  [r for *_, r in batched], step_seconds, plain_step_seconds)
+        cls._add_run(out, done, alone, len(run))
+
+    @staticmethod
+    def _add_run(out: BatchOutcome, done: StepsOutcome | None, alone: list[tuple[int, DraftTree, int]],
+                 total: int) -> None:
+        """Append a run's ``total`` trees to ``out`` in order: those of ``alone`` (position, tree, confirmed) at their
+        place, and between them the batched outcome ``done``'s, one after another."""
+        if done is None:
+            for _, tree, confirmed in alone:
                 out.add_tree(tree, confirmed)
             return
-        assert ns is not None
-        sessions = [sess for sess, *_ in batched]
-        arrays = [ids for _, ids, _, _ in batched]
-        offsets = [0, *itertools.accumulate(a.size for a in arrays)]
-        accepted = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-        limits = [budget or sess.max_nodes for sess, _, budget, _ in batched]  # type: ignore[union-attr]
-        done = ns.draft_steps(sessions, accepted, offsets, limits, [r for *_, r in batched], step_seconds,  # type: ignore[arg-type]
-                              plain_step_seconds)
         nodes = (done.token_ids, done.parents, done.probs, done.kinds + np.uint8(1))  # kind -> Source number
+        if not alone:
+            out.add_trees(done.offsets, nodes, done.confirmed)
+            return
 
         def add_batched(lo: int, hi: int) -> None:  # batched steps lo .. hi - 1, as one block
             if hi > lo:
@@ -364,15 +393,12 @@ class DrafterService:
                 out.add_trees([o - a for o in done.offsets[lo:hi + 1]], tuple(c[a:b] for c in nodes),  # type: ignore[arg-type]
                               done.confirmed[lo:hi])
 
-        start = k = 0  # batched steps: appended before ``start``, seen before ``k``
-        for sess, tree, confirmed, _ in run:
-            if sess is not None:
-                k += 1
-                continue
-            add_batched(start, k)
+        start = 0  # batched steps appended before ``start``
+        for taken, (pos, tree, confirmed) in enumerate(alone):
+            add_batched(start, pos - taken)
             out.add_tree(tree, confirmed)
-            start = k
-        add_batched(start, k)
+            start = pos - taken
+        add_batched(start, total - len(alone))
 
     def end_session(self, session_id: str, accepted: TokenIds, caller: Caller | None = None) -> int:
         """Store the request durably and close its session; returns the tokens stored."""

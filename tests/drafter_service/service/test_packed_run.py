@@ -43,3 +43,18 @@ def test_packed_steps_that_need_more_take_the_general_path_with_nothing_done_bef
     assert taken == [1] and len(out.tree_offsets) == 3
     assert [len(service.sessions.get(service.auth.caller((), ""), f"s{i}")[1]) for i in range(2)] == \
         [4 + sum(len(a) for s, a in steps if s == f"s{i}") for i in range(2)]  # each step applied once
+
+
+def test_a_session_the_core_cannot_batch_among_packed_steps_is_drafted_alone_in_its_place(monkeypatch):
+    """s1 has the prompt of a stored request, so it follows that request's output (no batched step for it): the
+    packed run drafts it alone and places its tree between the others, as the general path does."""
+    fast, general = service_with_sessions(3), service_with_sessions(3)
+    for service in (fast, general):
+        service.start_session("", "repeat", [1, 2, 3])
+    steps = [("s0", [4]), ("repeat", [4, 5]), ("s1", [4]), ("s2", [])]
+    monkeypatch.setattr(fast, "_batch_steps", lambda *a, **k: pytest.fail("took the general path"))
+    got = fast.draft_batch([], [], [], max_nodes=8, accepted_bounds=(4, 5), packed=packed(steps))
+    want = general.draft_batch([], packed(steps).steps(), [], max_nodes=8, accepted_bounds=(4, 5))
+    assert (got.tree_offsets, got.confirmed) == (want.tree_offsets, want.confirmed)
+    assert all(np.array_equal(a, b) for a, b in zip(got.nodes(), want.nodes(), strict=True))
+    assert want.tree_offsets[2] > want.tree_offsets[1]  # the repeated output was offered
