@@ -73,6 +73,9 @@ class Drafter:
         self.sessions: dict[str, DraftSession] = {}
         self.policy = BudgetPolicy(cfg.adaptive_budget, cfg.min_nodes)
         self._table_lock = threading.Lock()
+        # the native table reads int32 arrays as they are; the Python one takes lists of ints
+        self._table_tokens = (lambda ids: ids) if NativeLRUTable is not None and isinstance(
+            self.dynamic, NativeLRUTable) else (lambda ids: ids.tolist())
         self._sessions_lock = threading.Lock()
         self._batched = batch_steps_available(self)
 
@@ -145,7 +148,7 @@ class Drafter:
                 logger.exception("session %s: the draft model could not start; drafting without it", session_id)
         if self.config.use_dynamic:
             with self._table_lock:
-                self.dynamic.update(ids.tolist())
+                self.dynamic.update(self._table_tokens(ids))
         return sess
 
     def extend(self, session_id: str, accepted: Sequence[int] | np.ndarray) -> int:
@@ -171,7 +174,7 @@ class Drafter:
                 self.draft_model.record_step(model_hit)
         if self.config.use_dynamic and ids.size:
             with self._table_lock:
-                self.dynamic.update(sess.tokens[max(0, before - 8):].tolist(), new_from=min(before, 8))
+                self.dynamic.update(self._table_tokens(sess.tokens[max(0, before - 8):]), new_from=min(before, 8))
         return confirmed
 
     @staticmethod
@@ -342,7 +345,7 @@ class Drafter:
         """Feed a stored document to the dynamic table only (``add_document`` without storing it)."""
         if self.config.use_dynamic:
             with self._table_lock:
-                self.dynamic.update(doc.tolist())
+                self.dynamic.update(self._table_tokens(doc))
 
     def ingest(self, prompt: Sequence[int] | np.ndarray, output: Sequence[int] | np.ndarray) -> None:
         """Add a completed request that had no session (from an engine or a log)."""
