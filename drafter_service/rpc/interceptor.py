@@ -98,7 +98,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     Requests that do not parse reach the handler as a marker and are refused with INVALID_ARGUMENT. Handlers run on
     the event loop (coroutines and async generators) keep running there; plain functions stay plain, so the server
-    runs them in its thread pool.
+    runs them in its thread pool, and a single request message of theirs is parsed there too (the loop gets its
+    bytes): parsing a large Ingest takes milliseconds, which no Draft on the loop should wait for.
     """
 
     def __init__(self) -> None:
@@ -118,15 +119,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     @staticmethod
     def _guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         fn, streaming = behaviour_of(handler), handler.request_streaming
+        parse = _lenient(handler.request_deserializer)
         if inspect.iscoroutinefunction(fn):
-            guard = _guard_coroutine(fn, method, streaming)
-        elif inspect.isasyncgenfunction(fn):
-            guard = _guard_async_stream(fn, method, streaming)
-        elif handler.response_streaming:
-            guard = _guard_stream(fn, method, streaming)
-        else:
-            guard = _guard_unary(fn, method, streaming)
-        return rebuilt(handler, guard, _lenient(handler.request_deserializer))
+            return rebuilt(handler, _guard_coroutine(fn, method, streaming), parse)
+        if inspect.isasyncgenfunction(fn):
+            return rebuilt(handler, _guard_async_stream(fn, method, streaming), parse)
+        if streaming or parse is None:
+            in_pool = None
+        else:  # parsed in the pool thread that serves the call
+            in_pool, parse = parse, _bytes
+        guard = (_guard_stream if handler.response_streaming else _guard_unary)(fn, method, streaming, in_pool)
+        return rebuilt(handler, guard, parse)
 
 
 def _aborted(exc: BaseException) -> bool:
@@ -147,8 +150,15 @@ def _logged_status(exc: BaseException, method: str) -> tuple[grpc.StatusCode, st
     return code, message
 
 
-def _requests(request: Any, streaming: bool) -> Any:
-    return (_checked(r) for r in request) if streaming else _checked(request)
+def _bytes(data: bytes) -> bytes:
+    """A request message left unparsed by the loop (see ErrorInterceptor)."""
+    return data
+
+
+def _requests(request: Any, streaming: bool, parse: Callable[[bytes], Any] | None = None) -> Any:
+    if streaming:
+        return (_checked(r) for r in request)
+    return _checked(parse(request) if parse is not None else request)
 
 
 async def _async_requests(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -156,10 +166,10 @@ async def _async_requests(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield _checked(request)
 
 
-def _guard_unary(fn: Callable, method: str, streaming: bool) -> Callable:
+def _guard_unary(fn: Callable, method: str, streaming: bool, parse: Callable[[bytes], Any] | None) -> Callable:
     def call(request: Any, context: Any) -> Any:
         try:
-            return fn(_requests(request, streaming), context)
+            return fn(_requests(request, streaming, parse), context)
         except Exception as exc:
             if _aborted(exc):
                 raise
@@ -167,10 +177,10 @@ def _guard_unary(fn: Callable, method: str, streaming: bool) -> Callable:
     return call
 
 
-def _guard_stream(fn: Callable, method: str, streaming: bool) -> Callable:
+def _guard_stream(fn: Callable, method: str, streaming: bool, parse: Callable[[bytes], Any] | None) -> Callable:
     def call(request: Any, context: Any) -> Any:
         try:
-            yield from fn(_requests(request, streaming), context)
+            yield from fn(_requests(request, streaming, parse), context)
         except Exception as exc:
             if _aborted(exc):
                 raise

@@ -92,3 +92,24 @@ def test_a_call_stuck_storing_a_request_holds_up_no_draft(served, storing):
         service.hold.set()
         stuck.result()
     assert list(reply.token_ids) and not batch.step_errors
+
+
+def test_a_pool_call_is_parsed_in_the_pool_not_on_the_loop(served, monkeypatch):
+    """A large Ingest takes milliseconds to parse: the loop hands its bytes on, the serving thread parses them."""
+    service, stub = served
+    parsed_on: list[str] = []
+    parse = pb.IngestRequest.FromString
+
+    def noting(data: bytes) -> pb.IngestRequest:
+        parsed_on.append(threading.current_thread().name)
+        return parse(data)
+
+    monkeypatch.setattr(pb.IngestRequest, "FromString", noting)
+    cfg = ServiceConfig(drafter=DrafterConfig(capacity=1 << 14), default_vocab_size=100, workers=4)
+    server, port = create_server(cfg, "127.0.0.1:0", service)  # a server built now takes the noting parser
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = pb_grpc.DrafterStub(channel).Ingest(pb.IngestRequest(requests=[pb.Sequence(prompt=[1, 2], output=[3])]),
+                                                    timeout=5)
+    server.stop(0).wait(10)
+    assert reply.ingested == 1
+    assert len(parsed_on) == 1 and parsed_on[0] != "grpc-loop" and parsed_on[0] in service.store_threads
