@@ -29,9 +29,13 @@ typedef struct {
     uint32_t hash;
     uint32_t nfol;          /* followers held */
     uint32_t capfol;        /* records allocated */
-    uint32_t unused;
-    int32_t *fol;           /* capfol records of `stride` int32 words, least recent first */
+    uint32_t lo;            /* records of the allocation before ``fol`` (see table_insert) */
+    int32_t *fol;           /* nfol records of `stride` int32 words, least recent first, lo records into an
+                             * allocation of capfol */
 } Leader;                   /* 64 bytes: one cache line */
+
+/* The start of a leader's follower allocation. */
+static inline int32_t *fol_base(const Leader *L, int stride) { return L->fol ? L->fol - (size_t)L->lo * stride : NULL; }
 
 typedef struct {
     Leader *nodes;          /* nodes[0 .. n-1] hold leaders */
@@ -92,8 +96,8 @@ static inline void rec_write(int32_t *r, const int32_t *fol, int fl, int64_t cou
 
 /* ---- core: hash table, recency list, nodes -------------------------------------------------------- */
 
-static void core_free(Core *c) {
-    for (uint32_t i = 0; i < c->n; i++) PyMem_Free(c->nodes[i].fol);
+static void core_free(Core *c, int stride) {
+    for (uint32_t i = 0; i < c->n; i++) PyMem_Free(fol_base(&c->nodes[i], stride));
     PyMem_Free(c->nodes);
     PyMem_Free(c->slots);
     memset(c, 0, sizeof *c);
@@ -206,11 +210,10 @@ static void core_place(Core *c, uint32_t idx, const int32_t *key, uint32_t hash,
 
 /* ---- the table's operations ----------------------------------------------------------------------- */
 
-/* Record that `fol` followed `lead`; -1 with MemoryError and nothing changed. */
-static int table_insert(LRUTable *t, const int32_t *lead, const int32_t *fol) {
+/* Record that `fol` followed `lead` (whose hash_key is `hash`); -1 with MemoryError and nothing changed. */
+static int table_insert_hashed(LRUTable *t, const int32_t *lead, const int32_t *fol, uint32_t hash) {
     Core *c = &t->c;
     const int ll = t->ll, fl = t->fl, stride = t->stride;
-    const uint32_t hash = hash_key(lead, ll);
     uint32_t idx = core_find(c, lead, hash, ll);
     Leader *L;
 
@@ -228,7 +231,7 @@ static int table_insert(LRUTable *t, const int32_t *lead, const int32_t *fol) {
             slot_remove(c, L->hash, idx);
             list_unlink(c, idx);
             c->followers -= L->nfol;
-            PyMem_Free(L->fol);
+            PyMem_Free(fol_base(L, stride));
         } else if (core_reserve(c) < 0) {
             PyMem_Free(recs);
             return -1;
@@ -259,14 +262,34 @@ static int table_insert(LRUTable *t, const int32_t *lead, const int32_t *fol) {
             memmove(r + j * stride, r + (j + 1) * stride, (size_t)(n - 1 - j) * stride * sizeof(int32_t));
         rec_write(r + (size_t)(n - 1) * stride, fol, fl, count < INT64_MAX ? count + 1 : count);
     } else if ((Py_ssize_t)n >= t->follower_capacity) {
-        /* full: the least recent follower makes room */
-        memmove(r, r + stride, (size_t)(n - 1) * stride * sizeof(int32_t));
+        /* full: the least recent follower makes room. The records slide one place along an allocation a quarter
+         * larger than they need, and are moved back to its start only once they reach its end: a follower
+         * dropped costs a few records moved on average, not all of them. */
+        if ((size_t)L->lo + n < L->capfol) {
+            L->lo++;
+            L->fol = r = r + stride;
+        } else {
+            uint32_t room = n + (n >= 4 ? n / 4 : 1);
+            int32_t *base = fol_base(L, stride);
+            if (L->capfol < room) {
+                int32_t *p = PyMem_Realloc(base, (size_t)room * stride * sizeof(int32_t));
+                if (p == NULL) {
+                    PyErr_NoMemory();
+                    return -1;
+                }
+                base = p;
+                L->capfol = room;
+            }
+            memmove(base, base + ((size_t)L->lo + 1) * stride, (size_t)(n - 1) * stride * sizeof(int32_t));
+            L->lo = 0;
+            L->fol = r = base;
+        }
         rec_write(r + (size_t)(n - 1) * stride, fol, fl, 1);
     } else {
-        if (n == L->capfol) {
+        if ((size_t)L->lo + n == L->capfol) {  /* (lo is 0 until the leader is full) */
             size_t want = (size_t)L->capfol * 2;
             if ((Py_ssize_t)want > t->follower_capacity) want = (size_t)t->follower_capacity;
-            int32_t *p = PyMem_Realloc(r, want * stride * sizeof(int32_t));
+            int32_t *p = PyMem_Realloc(fol_base(L, stride), want * stride * sizeof(int32_t));
             if (p == NULL) {
                 PyErr_NoMemory();
                 return -1;
@@ -284,6 +307,49 @@ static int table_insert(LRUTable *t, const int32_t *lead, const int32_t *fol) {
     }
     t->version++;
     return 0;
+}
+
+/* The node a hash slot points to for `hash` if its stored hash matches (no key compared; for reading ahead only). */
+static inline const Leader *node_hint(const Core *c, uint32_t hash) {
+    uint64_t sv = c->slots[hash & c->mask];
+    return sv && (uint32_t)(sv >> 32) == hash && (uint32_t)sv - 1 < c->n ? &c->nodes[(uint32_t)sv - 1] : NULL;
+}
+
+/* Every (leader, follower) pair of tokens[first, n), in order (table_insert), the memory each insert reads fetched
+ * ahead: the leader's hash slot, then its node, then the most recent end of its followers (where a follower is
+ * searched first); each leader hashed once. Updates are most of what storing a request costs. The pairs inserted,
+ * or -1 with MemoryError. */
+static Py_ssize_t insert_run(LRUTable *t, const int32_t *tok, Py_ssize_t first, Py_ssize_t n) {
+    const int ll = t->ll;
+    const Py_ssize_t last = n - (ll + t->fl);  /* the last pair's position */
+    const Core *c = &t->c;
+    enum { SLOT_AHEAD = 12, NODE_AHEAD = 6, FOLLOWERS_AHEAD = 3, RING = 16 };
+    uint32_t hashes[RING];  /* hashes[p & (RING - 1)]: position p's leader, for p in [i, i + SLOT_AHEAD] */
+    for (Py_ssize_t p = first; p <= last && p < first + SLOT_AHEAD; p++)
+        hashes[p & (RING - 1)] = hash_key(tok + p, ll);
+    Py_ssize_t pairs = 0;
+    for (Py_ssize_t i = first; i <= last; i++, pairs++) {
+        Py_ssize_t ahead = i + SLOT_AHEAD;
+        if (ahead <= last) hashes[ahead & (RING - 1)] = hash_key(tok + ahead, ll);
+        if (c->slots != NULL) {
+            const Leader *L;
+            if (ahead <= last) __builtin_prefetch(&c->slots[hashes[ahead & (RING - 1)] & c->mask]);
+            if (i + NODE_AHEAD <= last && (L = node_hint(c, hashes[(i + NODE_AHEAD) & (RING - 1)])) != NULL)
+                __builtin_prefetch(L);
+            if (i + FOLLOWERS_AHEAD <= last &&
+                (L = node_hint(c, hashes[(i + FOLLOWERS_AHEAD) & (RING - 1)])) != NULL && L->nfol) {
+                const int32_t *end = L->fol + (size_t)(L->nfol - 1) * t->stride;
+                __builtin_prefetch(end);
+                __builtin_prefetch(end - 16);
+            }
+        }
+        if (table_insert_hashed(t, tok + i, tok + i + ll, hashes[i & (RING - 1)]) < 0) return -1;
+    }
+    return pairs;
+}
+
+static int table_insert(LRUTable *t, const int32_t *lead, const int32_t *fol) {
+    return table_insert_hashed(t, lead, fol, hash_key(lead, t->ll));
 }
 
 static int cmp_width; /* tokens compared by cmp_records (set right before qsort; the GIL is held) */
@@ -331,7 +397,7 @@ static int core_check(const Core *c, const LRUTable *t) {
             if (L->key[k] < 0) FAIL("leader node %u holds a negative token id", i);
         if (L->hash != hash_key(L->key, ll) || core_find(c, L->key, L->hash, ll) != i)
             FAIL("leader node %u is not found by its tokens", i);
-        if (L->nfol < 1 || (Py_ssize_t)L->nfol > t->follower_capacity || L->nfol > L->capfol)
+        if (L->nfol < 1 || (Py_ssize_t)L->nfol > t->follower_capacity || (size_t)L->lo + L->nfol > L->capfol)
             FAIL("leader node %u holds %u followers", i, L->nfol);
         for (uint32_t j = 0; j < L->nfol; j++) {
             const int32_t *r = L->fol + (size_t)j * stride;
@@ -624,7 +690,7 @@ static PyObject *LRUTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds
 }
 
 static void LRUTable_dealloc(LRUTable *t) {
-    core_free(&t->c);
+    core_free(&t->c, t->stride);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -782,15 +848,7 @@ static PyObject *LRUTable_update(LRUTable *t, PyObject *const *args, Py_ssize_t 
     }
     r = have_view ? read_buffer(&view, kind, start, m, buf, 1) : read_fast(fast, start, m, buf, 1);
     if (r < 0) goto done;
-    Py_ssize_t pairs = 0;
-    for (Py_ssize_t i = 0; i + span <= m; i++) {
-        if (table_insert(t, buf + i, buf + i + t->ll) < 0) {
-            r = -1;
-            goto done;
-        }
-        pairs++;
-    }
-    m = pairs;
+    if ((m = insert_run(t, buf, 0, m)) < 0) r = -1;
 done:
     if (have_view) PyBuffer_Release(&view);
     Py_XDECREF(owned);
@@ -941,13 +999,13 @@ static int load_entry(LRUTable *t, Core *c, PyObject *entry) {
         uint32_t j = 0;
         while (j < L->nfol && !tokens_equal(L->fol + (size_t)j * stride, fol, fl)) j++;
         if (j == L->nfol) {
-            if (L->nfol == L->capfol) {
+            if (L->lo + L->nfol == L->capfol) {  /* a node being loaded: lo is 0 */
                 if (L->capfol >= NIL / 2) {
                     PyErr_SetString(PyExc_MemoryError, "too many followers");
                     goto done;
                 }
                 uint32_t want = L->capfol ? L->capfol * 2 : FIRST_FOLLOWERS;
-                int32_t *p = PyMem_Realloc(L->fol, (size_t)want * stride * sizeof(int32_t));
+                int32_t *p = PyMem_Realloc(fol_base(L, stride), (size_t)want * stride * sizeof(int32_t));
                 if (p == NULL) {
                     PyErr_NoMemory();
                     goto done;
@@ -990,10 +1048,10 @@ static PyObject *LRUTable_load(LRUTable *t, PyObject *items) {
     }
     Py_DECREF(iter);
     if (PyErr_Occurred() || core_check(&nc, t) < 0) {
-        core_free(&nc);
+        core_free(&nc, t->stride);
         return NULL;
     }
-    core_free(&t->c);
+    core_free(&t->c, t->stride);
     t->c = nc;
     t->version++;
     Py_RETURN_NONE;
@@ -1239,10 +1297,7 @@ static Py_ssize_t capi_update(PyObject *obj, const int32_t *tokens, Py_ssize_t n
             PyErr_Format(PyExc_ValueError, "token id at index %zd is outside [0, 2**31)", i);
             return -1;
         }
-    Py_ssize_t pairs = 0;
-    for (Py_ssize_t i = first; i + span <= n; i++, pairs++)
-        if (table_insert(t, tokens + i, tokens + i + t->ll) < 0) return -1;
-    return pairs;
+    return insert_run(t, tokens, first, n);
 }
 
 static LRUTableCAPI c_api = {&LRUTableType, capi_query, capi_leader_len, capi_update, capi_peek, capi_touch,

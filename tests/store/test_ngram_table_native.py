@@ -112,6 +112,22 @@ def test_many_leaders_agree_with_the_reference(tokens: list[int]) -> None:
     same(native, ref)
 
 
+@settings(max_examples=30, deadline=None)
+@given(followers=st.lists(st.integers(0, 40), min_size=1, max_size=400), fc=st.integers(4, 24))
+def test_a_full_leaders_followers_slide_and_compact_as_the_reference_drops_them(followers: list[int],
+                                                                                fc: int) -> None:
+    """One leader far past its follower capacity: the least recent followers leave, known ones move up, as in the
+    reference (the native records slide along a larger allocation and are moved back now and then)."""
+    native, ref = pair(1, 1, 4, fc)
+    for k, f in enumerate(followers):
+        native.insert([7], [f])
+        ref.insert([7], [f])
+        if k % 37 == 0:
+            assert native.query([7], fc) == ref.query([7], fc)
+    native.check_invariants()
+    same(native, ref)
+
+
 def test_default_sizes_and_long_tokens() -> None:
     t = LRUTable()
     assert (t.leader_len, t.follower_len, t.leader_capacity, t.follower_capacity) == (1, 3, 1 << 20, 128)
