@@ -140,6 +140,9 @@ def test_a_draft_model_that_cannot_keep_up_is_reported_and_not_served(target_fol
     # the default gate's rule on a shorter schedule: a verdict within this short generation
     drafter.model_gate = ModelGate(min_steps=16, phase=0.1, on_running=drafter.draft_model.set_running)
     slow_down(drafter.draft_model.model, 0.25)  # the worker rarely has anything to add
+    # the target's steps slowed too: the generation spans several of the gate's phases on a fast machine (its 60
+    # steps once took 0.27 s, two phases, and a slow first phase left the verdict unmade)
+    slow_down(model, 0.01)
     server, port = create_server(service.config, "127.0.0.1:0", service)
     try:
         with caplog.at_level(logging.WARNING), DrafterClient(f"127.0.0.1:{port}", max_nodes=24) as client:
