@@ -13,6 +13,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "_kernels_api.h"
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -1634,24 +1636,16 @@ static int tail_arg(PyObject *o, TailObject **out) {
 
 /* ---- whole lookups, for Python and for other extensions -------------------------------------------- */
 
-/* A lookup's answer: what followed the longest match (see TokenStore.lookup). Its arrays live in the
- * Lookup that produced it, until that Lookup's next call. */
-typedef struct {
-    int64_t m;              /* tokens matched (0: nothing found; nothing else is set then) */
-    const int64_t *counts;  /* (m,) occurrences of the last 1, 2, ..., m context tokens */
-    Py_ssize_t k, depth;    /* rows: (k, depth) */
-    const int32_t *rows;    /* the tokens after each chosen occurrence, most recent first, -1 padded */
-} LookupResult;
 
 /* Working memory of lookups, kept between calls so that a run of lookups allocates nothing. */
-typedef struct {
+struct Lookup {
     Vec lens, picked, sample, work;
     Seg segs[3];           /* tail, delta, main */
     int64_t *mem;          /* context (reversed; then the summed counts), then counts per source */
     Py_ssize_t memcap;
     int32_t *rows;
     Py_ssize_t rowscap;
-} Lookup;
+};
 
 static void lookup_clear(Lookup *L) {
     vec_free(&L->lens);
@@ -1900,36 +1894,6 @@ done:
     return res;
 }
 
-/* C API for other extensions (the native batched step of drafter_service.core._tree): the store and session
- * lookups over raw int32 arrays, answered into a Lookup's memory instead of new numpy arrays. Each returns 0
- * (out->m == 0: nothing matched), 1 for arguments it does not handle (the caller then runs the Python
- * lookup, as for NotImplemented) or -1 with an exception set. */
-typedef struct {
-    size_t size;  /* sizeof(KernelsCAPI): a caller built against another layout must not use it */
-    Lookup *(*lookup_new)(void);
-    void (*lookup_free)(Lookup *L);
-    /* TokenStore.lookup of context[:n] over ring[0, cap) (slots of absolute positions [oldest, stop)), the
-     * delta and main Index handles and the Tail (each may be None). */
-    int (*store_lookup)(Lookup *L, const int32_t *context, Py_ssize_t n, const int32_t *ring, Py_ssize_t cap,
-                        int64_t oldest, int64_t stop, PyObject *delta, PyObject *main_ix, PyObject *tail,
-                        int64_t max_match, int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
-                        LookupResult *out);
-    /* DraftSession.lookup over tokens[:n] (the session's buffer holds cap >= n tokens). */
-    int (*session_lookup)(Lookup *L, const int32_t *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
-                          int64_t max_occ, int64_t depth, LookupResult *out);
-    /* Lookups that may run on several threads at once, on threads without a Python thread state too (each with
-     * its own Lookup): store_lookup that only reads the Tail, after store_prepare (GIL held) brought its lists up to
-     * date for ``lookups`` lookups when that many one after another would have, and session_lookup. They raise
-     * nothing: -1 means out of memory. store_prepare returns 0, or -1 with an exception set. */
-    int (*store_lookup_shared)(Lookup *L, const int32_t *context, Py_ssize_t n, const int32_t *ring, Py_ssize_t cap,
-                               int64_t oldest, int64_t stop, PyObject *delta, PyObject *main_ix, PyObject *tail,
-                               int64_t max_match, int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
-                               LookupResult *out);
-    int (*session_lookup_shared)(Lookup *L, const int32_t *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
-                                 int64_t max_occ, int64_t depth, LookupResult *out);
-    int (*store_prepare)(const int32_t *ring, Py_ssize_t cap, int64_t oldest, int64_t stop, PyObject *delta,
-                         PyObject *main_ix, PyObject *tail, Py_ssize_t lookups);
-} KernelsCAPI;
 
 static Lookup *capi_lookup_new(void) {
     Lookup *L = PyMem_RawCalloc(1, sizeof(Lookup));

@@ -182,47 +182,11 @@ static int leader_at(Builder *B, int node, int *out) {
     return 1;
 }
 
-/* The native LRU table's C API (store._lru), when that extension is built. */
-typedef struct {
-    PyTypeObject *type;
-    int (*query)(PyObject *table, const int *leader, int limit, int *out_tokens, int64_t *out_counts, int *fl_out);
-    int (*leader_len)(PyObject *table);
-    Py_ssize_t (*update)(PyObject *table, const int *tokens, Py_ssize_t n, Py_ssize_t new_from);
-    int (*peek)(PyObject *table, const int *leader, int limit, int *out_tokens, int64_t *out_counts, int *fl_out,
-                uint32_t *where);
-    void (*touch)(PyObject *table, const int *leader, uint32_t where);
-    void (*touch_many)(PyObject *table, const int *leaders, const uint32_t *where, Py_ssize_t n);
-} LRUTableCAPI;
+/* The native LRU table's and the store kernels' C APIs (store._lru, store._kernels), when those extensions are
+ * built: their own declarations. */
+#include "../../store/_lru_api.h"
+#include "../../store/_kernels_api.h"
 static LRUTableCAPI *lru_api;
-#define LRU_NIL UINT32_MAX  /* a peek's ``where`` for an unknown leader */
-
-/* The store kernels' C API (store._kernels), when that extension is built: the same layout as there. */
-typedef struct Lookup Lookup;
-typedef struct {
-    int64_t m;
-    const int64_t *counts;
-    Py_ssize_t k, depth;
-    const int *rows;
-} LookupResult;
-typedef struct {
-    size_t size;
-    Lookup *(*lookup_new)(void);
-    void (*lookup_free)(Lookup *L);
-    int (*store_lookup)(Lookup *L, const int *context, Py_ssize_t n, const int *ring, Py_ssize_t cap,
-                        int64_t oldest, int64_t stop, PyObject *delta, PyObject *main_ix, PyObject *tail,
-                        int64_t max_match, int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
-                        LookupResult *out);
-    int (*session_lookup)(Lookup *L, const int *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
-                          int64_t max_occ, int64_t depth, LookupResult *out);
-    int (*store_lookup_shared)(Lookup *L, const int *context, Py_ssize_t n, const int *ring, Py_ssize_t cap,
-                               int64_t oldest, int64_t stop, PyObject *delta, PyObject *main_ix, PyObject *tail,
-                               int64_t max_match, int64_t max_occ, int64_t depth, int64_t max_cand, int64_t max_exam,
-                               LookupResult *out);
-    int (*session_lookup_shared)(Lookup *L, const int *tokens, Py_ssize_t cap, int64_t n, int64_t max_match,
-                                 int64_t max_occ, int64_t depth, LookupResult *out);
-    int (*store_prepare)(const int *ring, Py_ssize_t cap, int64_t oldest, int64_t stop, PyObject *delta,
-                         PyObject *main_ix, PyObject *tail, Py_ssize_t lookups);
-} KernelsCAPI;
 static KernelsCAPI *kernels_api;
 static PyObject *query_name;
 
@@ -259,7 +223,7 @@ static int query_native(Builder *B, int t, int kind, const int *leader) {
     if (B->defer) {
         uint32_t where;
         k = lru_api->peek(B->tables[t], leader, limit, &AT(B->tok_pool, int, base), counts, &fl, &where);
-        if (where != LRU_NIL) {
+        if (where != LRU_API_NIL) {
             if (buf_reserve(&B->touches, 2 + B->leader_len) < 0) return -1;
             int *rec = &AT(B->touches, int, B->touches.len);
             rec[0] = t;
