@@ -1636,7 +1636,6 @@ static int tail_arg(PyObject *o, TailObject **out) {
 
 /* ---- whole lookups, for Python and for other extensions -------------------------------------------- */
 
-
 /* Working memory of lookups, kept between calls so that a run of lookups allocates nothing. */
 struct Lookup {
     Vec lens, picked, sample, work;
@@ -1893,7 +1892,6 @@ done:
     lookup_release(L);
     return res;
 }
-
 
 static Lookup *capi_lookup_new(void) {
     Lookup *L = PyMem_RawCalloc(1, sizeof(Lookup));

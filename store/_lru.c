@@ -1203,7 +1203,6 @@ static PyTypeObject ItemsIterType = {
 
 /* ---- module --------------------------------------------------------------------------------------- */
 
-
 static void refresh(LRUTable *t, uint32_t idx) {
     Core *c = &t->c;
     if (c->tail != idx) {

@@ -103,7 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"cannot start: {exc}") from None
         raise
     # What start made (modules, the restored namespaces) lives as long as the process: out of the collector's sight,
-    # a full collection walks only what came after it (walking it all took 20-120 ms of the interpreter lock on a
+    # a full collection walks only what came after it (walking it all took 20-135 ms of the interpreter lock on a
     # 2-core machine, a stalled Draft each time; the service's process is ours, as above)
     gc.collect()
     gc.freeze()
