@@ -8,7 +8,9 @@ lands while the engine runs the next forward pass.
 
 On a miss (the outcome left the tree, or it has no tree yet) one rule decides between no draft and waiting for the
 step's own answer: wait while the missed rows' expected accepted tokens are worth the wait, measured against the
-engine's step time. A breaker stops all waiting while the service answers late, and closes again with backoff.
+engine's step time. A breaker stops all waiting once a wait ends without its answer; it closes after an answer has
+landed again (the sender keeps sending in the background, so an outage costs one wait, not one per probe) and a
+backoff that grows while waits keep ending late.
 Before the rule, a missed row gets a chain from prompt lookup over its own context (``ContextNgrams``) where its
 last token occurred before: in process, so the rows the rule weighs are those nothing local can draft.
 
@@ -109,6 +111,7 @@ class PreSpeculator:
         self._landed = threading.Condition()
         self._answered = -1  # the last ticket whose answer landed
         self._failed = -1  # the last ticket the service did not answer
+        self._late = -1  # the ticket of the last wait that ended without its answer
         self._ticket = -1
         self._breaker = BackoffClock(ExponentialBackoff(0.1, 5.0))
         self._last_step = 0.0
@@ -368,7 +371,7 @@ class PreSpeculator:
         the ``rows + hits' expected`` the step yields; it pays while ``w < T * gain / yield``. Without
         pre-speculation every step waits (up to the timeout). Never while the breaker is open.
         """
-        if not self._breaker.ready() or self._sender.stuck(self.timeout):
+        if self._answered < self._late or not self._breaker.ready() or self._sender.stuck(self.timeout):
             return 0.0
         if not self.prespeculate:
             return self.timeout
@@ -403,9 +406,10 @@ class PreSpeculator:
             self._breaker.reset()
         else:
             self.figures.late += 1
+            self._late = ticket
             wait = self._breaker.failure()
-            logger.info("drafter: no answer within %.0f ms; drafts are not waited for during the next %.1f s",
-                        seconds * 1e3, wait)
+            logger.info("drafter: no answer within %.0f ms; drafts are not waited for until one lands, and not "
+                        "during the next %.1f s", seconds * 1e3, wait)
         return answered
 
     # -- the sender's thread ----------------------------------------------------------------------------------
