@@ -1958,8 +1958,16 @@ static int capi_store_prepare(const int32_t *ring, Py_ssize_t cap, int64_t oldes
     if (from >= stop) return 0;
     Ring r = {ring, cap, 0};
     ring_set_base(&r, oldest);
-    for (Py_ssize_t i = 0; i < lookups; i++) /* as that many lookups one after another would, scans counted */
-        if (tail_worth(tail, oldest, from, stop)) return tail_sync(tail, &r, oldest, from, stop);
+    /* As that many lookups one after another would decide (tail_worth), scans counted, but without the cap of
+     * TAIL_LISTS tokens a lone lookup keeps: the window bounds what is added, once for the whole step, and lists
+     * that fell further behind (a tail past TAIL_LISTS when the step first came, indexing lagging behind a steady
+     * stream of requests) would otherwise never catch up, and every lookup of every step would scan the window. */
+    int64_t add = tail_gap(tail, oldest, from) ? stop - from : stop - tail->end, scan = (stop - from) * lookups;
+    if (add * tail->add_cost <= tail->scanned + scan) {
+        tail->scanned = 0;
+        return tail_sync(tail, &r, oldest, from, stop);
+    }
+    tail->scanned += scan;
     return 0;
 }
 
