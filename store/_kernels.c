@@ -1264,6 +1264,35 @@ static int range_most_recent(const IndexObject *ix, Py_ssize_t lo, Py_ssize_t hi
     return 0;
 }
 
+/* Moves the ``k`` largest of v[0..n) (0 < k < n) to v[0..k), in no order: a quickselect,
+ * linear whatever order they come in (a heap of the ``k`` largest sifts at nearly every value when they come
+ * ascending, as the tail's occurrences and runs of an index's range do). */
+static void select_largest(int64_t *v, Py_ssize_t n, Py_ssize_t k) {
+    Py_ssize_t lo = 0, hi = n - 1, t = k - 1;
+    while (lo < hi) {
+        int64_t a = v[lo], b = v[lo + (hi - lo) / 2], c = v[hi];
+        int64_t pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b)); /* median */
+        Py_ssize_t i = lo, j = hi;
+        while (i <= j) { /* descending: [lo, i) >= pivot >= (j, hi] */
+            while (v[i] > pivot) i++;
+            while (v[j] < pivot) j--;
+            if (i <= j) {
+                int64_t x = v[i];
+                v[i++] = v[j];
+                v[j--] = x;
+            }
+        }
+        if (t <= j) hi = j;
+        else if (t >= i) lo = i;
+        else break;
+    }
+}
+
+static int descending(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x < y) - (x > y);
+}
+
 /* The most recent ``keep`` occurrences of the segments', newest first, into out (room for min(keep, total)
  * entries); -1 on error. A lazy range of more than ``max_examined`` entries is searched through its index's block
  * minima, the others are read whole: the same occurrences either way, whatever the split between the indexes. */
@@ -1285,44 +1314,10 @@ static int64_t pick_recent(const Seg *const *segs, int nsegs, int64_t max_examin
             return -1;
         }
     }
-    int64_t n = 0; /* out[0..n) is a min-heap while collecting */
-    for (Py_ssize_t g = 0; g < sample->n; g++) {
-        int64_t v = sample->v[g];
-        if (n < keep) {
-            int64_t i = n++;
-            while (i > 0 && out[(i - 1) / 2] > v) {
-                out[i] = out[(i - 1) / 2];
-                i = (i - 1) / 2;
-            }
-            out[i] = v;
-        } else if (v > out[0]) {
-            int64_t i = 0;
-            for (;;) {
-                int64_t c = 2 * i + 1;
-                if (c >= n) break;
-                if (c + 1 < n && out[c + 1] < out[c]) c++;
-                if (out[c] >= v) break;
-                out[i] = out[c];
-                i = c;
-            }
-            out[i] = v;
-        }
-    }
-    /* heap -> descending order */
-    for (int64_t end = n - 1; end > 0; end--) {
-        int64_t v = out[end];
-        out[end] = out[0];
-        int64_t i = 0;
-        for (;;) {
-            int64_t c = 2 * i + 1;
-            if (c >= end) break;
-            if (c + 1 < end && out[c + 1] < out[c]) c++;
-            if (out[c] >= v) break;
-            out[i] = out[c];
-            i = c;
-        }
-        out[i] = v;
-    }
+    int64_t *v = sample->v, n = sample->n < keep ? sample->n : keep;
+    if (sample->n > keep) select_largest(v, sample->n, keep);
+    memcpy(out, v, (size_t)n * sizeof(int64_t));
+    qsort(out, (size_t)n, sizeof(int64_t), descending);
     return n;
 }
 
