@@ -162,3 +162,41 @@ def test_a_step_drafted_on_several_threads_gives_what_one_thread_and_single_call
     for d in threaded.values():
         assert list(d.dynamic.items()) == list(single.dynamic.items())
         assert list(d.model.trials) == list(single.model.trials)
+
+
+@pytest.mark.skipif(match_kernels.compiled is None, reason="the store kernels are not built")
+def test_a_step_of_many_sessions_brings_lists_far_behind_up_to_date_and_drafts_as_single_calls():
+    """A tail past TAIL_LISTS that the lists never covered (requests stored faster than indexing): a lone lookup
+    keeps scanning it, a step whose lookups together would scan more than adding it costs brings the lists up to
+    date at once; the trees are the same either way."""
+    kernels = match_kernels.compiled
+    sessions_n = 96
+    tail_n = kernels.TAIL_LISTS + 4000  # add_cost 64: 64 lookups' scans of it cost as much as adding it
+    rng = np.random.default_rng(7)
+    drafters = [Drafter(DrafterConfig(vocab_size=100, capacity=1 << 17, tail_tokens=1 << 30)) for _ in range(2)]
+    requests = corpus(5, sessions_n)
+    for d in drafters:
+        for prompt, output in corpus(0, 30):
+            d.ingest(prompt, output)
+        d.rebuild()
+    stored = 0
+    while stored < tail_n:
+        prompt, output = corpus(int(rng.integers(10, 1000)), 1)[0]
+        for d in drafters:
+            d.ingest(prompt, output)
+        stored += len(prompt) + len(output) + 1
+    batched, single = drafters
+    tail = batched.store._tail
+    assert batched.store.unindexed > kernels.TAIL_LISTS and tail.end < batched.store.ring.end
+    for d in drafters:
+        for i, (prompt, _) in enumerate(requests):
+            d.start(f"s{i}", prompt)
+    expected = [tree_tuple(single.draft(single.session(f"s{i}"), 16))[:3] for i in range(sessions_n)]
+    assert single.store._tail.end < single.store.ring.end  # each lone lookup scanned
+    sessions = [batched.session(f"s{i}") for i in range(sessions_n)]
+    out = batched.draft_steps(sessions, np.zeros(0, np.int32), [0] * (sessions_n + 1), [16] * sessions_n,
+                              [False] * sessions_n)
+    assert tail.end == batched.store.ring.end  # brought up to date once, before the step's lookups
+    got = [(tuple(out.token_ids[lo:hi]), tuple(out.parents[lo:hi]), tuple(out.probs[lo:hi]))
+           for lo, hi in zip(out.offsets, out.offsets[1:], strict=False)]
+    assert got == expected
