@@ -266,6 +266,7 @@ class Namespace:
                     self.drafter.add_document(doc, prompt_len=plen)
                     stored += 1
                     tokens += int(doc.size)
+                    time.sleep(0)  # hands the interpreter lock to a waiting draft between requests
         return stored, tokens, len(docs) - stored
 
     def _persist(self, docs: list[tuple[np.ndarray, str | None]], prompt_lens: list[int],
