@@ -1487,18 +1487,18 @@ static int tail_gap(const TailObject *T, int64_t oldest, int64_t from) {
     return from < T->start || T->end < from || T->end < oldest;
 }
 
-/* Whether a lookup over [from, stop) should bring the lists up to date (tail_sync) and search them, rather than scan:
- * when what it adds (all of [from, stop) when it must start over, else what arrived since the last sync) is at most
- * TAIL_LISTS tokens and costs no more than the scans since the lists last answered and this one together. Lookups
- * that come often (many sessions a step) keep the lists up to date after a scan or two; rare ones while an ingest
- * pours tokens in keep scanning, which is cheaper for them. */
-static int tail_worth(TailObject *T, int64_t oldest, int64_t from, int64_t stop) {
-    int64_t add = tail_gap(T, oldest, from) ? stop - from : stop - T->end;
-    if (add <= TAIL_LISTS && add * T->add_cost <= T->scanned + (stop - from)) {
+/* Whether ``lookups`` lookups over [from, stop) should bring the lists up to date (tail_sync) and search them, rather
+ * than scan: when what it adds (all of [from, stop) when it must start over, else what arrived since the last sync)
+ * is at most ``cap`` tokens and costs no more than the scans since the lists last answered and these together.
+ * Lookups that come often (many sessions a step) keep the lists up to date after a scan or two; rare ones while an
+ * ingest pours tokens in keep scanning, which is cheaper for them. */
+static int tail_worth(TailObject *T, int64_t oldest, int64_t from, int64_t stop, int64_t cap, int64_t lookups) {
+    int64_t add = tail_gap(T, oldest, from) ? stop - from : stop - T->end, scan = (stop - from) * lookups;
+    if (add <= cap && add * T->add_cost <= T->scanned + scan) {
         T->scanned = 0;
         return 1;
     }
-    T->scanned += stop - from;
+    T->scanned += scan;
     return 0;
 }
 
@@ -1720,7 +1720,8 @@ static int store_core(Lookup *L, Py_ssize_t clen, const Ring *r, int64_t oldest,
     Seg *segs = L->segs;
     for (int i = 0; i < 3; i++) seg_reset(&segs[i], cv + (i + 1) * clen); /* tail, delta, main */
     int64_t from = tail_from(delta, main_ix, tail, oldest, stop);
-    int lists = tail && from < stop && (shared ? tail_covers(tail, oldest, from, stop) : tail_worth(tail, oldest, from, stop));
+    int lists = tail && from < stop &&
+                (shared ? tail_covers(tail, oldest, from, stop) : tail_worth(tail, oldest, from, stop, TAIL_LISTS, 1));
     if (lists && !shared && tail_sync(tail, r, oldest, from, stop) < 0) return -1;
     if (lists ? tail_core(tail, r, from, stop, cv, clen, clen, oldest, &segs[0], &L->lens) < 0
               : scan_core(r, from, stop, cv, clen, clen, oldest, &segs[0], &L->lens) < 0)
@@ -1953,16 +1954,11 @@ static int capi_store_prepare(const int32_t *ring, Py_ssize_t cap, int64_t oldes
     if (from >= stop) return 0;
     Ring r = {ring, cap, 0};
     ring_set_base(&r, oldest);
-    /* As that many lookups one after another would decide (tail_worth), scans counted, but without the cap of
-     * TAIL_LISTS tokens a lone lookup keeps: the window bounds what is added, once for the whole step, and lists
-     * that fell further behind (a tail past TAIL_LISTS when the step first came, indexing lagging behind a steady
-     * stream of requests) would otherwise never catch up, and every lookup of every step would scan the window. */
-    int64_t add = tail_gap(tail, oldest, from) ? stop - from : stop - tail->end, scan = (stop - from) * lookups;
-    if (add * tail->add_cost <= tail->scanned + scan) {
-        tail->scanned = 0;
-        return tail_sync(tail, &r, oldest, from, stop);
-    }
-    tail->scanned += scan;
+    /* For the whole step's lookups at once, without the cap of TAIL_LISTS tokens a lone lookup keeps: the window
+     * bounds what is added, and lists that fell further behind (a tail past TAIL_LISTS when the step first came,
+     * indexing lagging behind a steady stream of requests) would otherwise never catch up, and every lookup of every
+     * step would scan the window. */
+    if (tail_worth(tail, oldest, from, stop, INT64_MAX, lookups)) return tail_sync(tail, &r, oldest, from, stop);
     return 0;
 }
 

@@ -39,7 +39,7 @@ typedef struct {
     SessionLookupFn *session_lookup;
     /* Lookups that may run on several threads at once, on threads without a Python thread state too (each with
      * its own Lookup): store_lookup that only reads the Tail, after store_prepare (GIL held) brought its lists up to
-     * date for ``lookups`` lookups when that many one after another would have, and session_lookup. They raise
+     * date when that costs less than ``lookups`` scans (however far behind they are), and session_lookup. They raise
      * nothing: -1 means out of memory. store_prepare returns 0, or -1 with an exception set. */
     StoreLookupFn *store_lookup_shared;
     SessionLookupFn *session_lookup_shared;
