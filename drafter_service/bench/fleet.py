@@ -15,12 +15,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from drafter_service.bench.oracle import RetrievalOracle, SeenPrefixes
 from drafter_service.bench.prefix_router import PrefixRouter
 from drafter_service.bench.protocol import ReplayDrafter
 from drafter_service.bench.replay import Mode, replay
 from drafter_service.datasets.loaders import Request
 
-__all__ = ["AFTER_RESTART", "ROUTINGS", "Fleet", "FleetPlan", "RequestLog", "replay_fleet", "replay_shared", "route"]
+__all__ = ["AFTER_RESTART", "ROUTINGS", "Fleet", "FleetPlan", "RequestLog", "replay_fleet", "replay_replica_oracles",
+           "replay_shared", "replica_histories", "route"]
 
 #: How requests are routed to replicas: in turn, or to the replica that served the longest matching prompt prefix.
 ROUTINGS = ("round-robin", "prefix")
@@ -238,3 +240,31 @@ def replay_fleet(requests: Sequence[Request], plan: FleetPlan, make_peers: Calla
         if progress is not None:
             progress(i + 1)
     return logs
+
+
+def replica_histories(plan: FleetPlan) -> list[list[int]]:
+    """What each replica has seen between its restarts: the requests (indexes, in serving order) of every
+    stretch one replica served from a start or restart to its next restart or the end, one list per stretch."""
+    open_: dict[int, list[int]] = {}
+    out: list[list[int]] = []
+    for i, replica in enumerate(plan.replica_of.tolist()):
+        open_.setdefault(replica, []).append(i)
+        restarting = int(plan.restart_after[i])
+        if restarting >= 0 and restarting in open_:
+            out.append(open_.pop(restarting))
+    return out + list(open_.values())
+
+
+def replay_replica_oracles(requests: Sequence[Request], plan: FleetPlan, budget: int, mode: Mode = "chain",
+                           name: str = "oracle-replica") -> RequestLog:
+    """The retrieval oracle of each replica over its own history: at every step, the longest prefix of the rest
+    of the output that the replica has seen since its last restart (the requests it served, this one's prompt and
+    output so far). No per-replica drafter that copies what it has seen gets more accepted; over the shared
+    oracle's MAT it says how much of the fleet's gain over per-replica history a perfect copier could take."""
+    log = RequestLog.empty(name, len(requests))
+    for stretch in replica_histories(plan):
+        served = [requests[i] for i in stretch]
+        oracle = RetrievalOracle(SeenPrefixes.of(served, budget), 0, name)
+        for i, req in zip(stretch, served, strict=True):
+            log.record(i, oracle, req, budget, mode)
+    return log

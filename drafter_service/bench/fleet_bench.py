@@ -13,7 +13,15 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from drafter_service.bench.fleet import AFTER_RESTART, ROUTINGS, FleetPlan, RequestLog, replay_fleet, replay_shared
+from drafter_service.bench.fleet import (
+    AFTER_RESTART,
+    ROUTINGS,
+    FleetPlan,
+    RequestLog,
+    replay_fleet,
+    replay_replica_oracles,
+    replay_shared,
+)
 from drafter_service.bench.oracle import RetrievalOracle, SeenPrefixes
 from drafter_service.bench.peers import arctic_available
 from drafter_service.bench.protocol import ReplayDrafter
@@ -28,8 +36,9 @@ __all__ = ["FleetResult", "add_fleet_bench", "format_fleet", "run_fleet"]
 #: Verification modes run when neither ``--chain`` nor ``--budget`` is given.
 DEFAULT_ROWS: tuple[tuple[Mode, int], ...] = (("chain", 4), ("chain", 8), ("tree", 8), ("tree", 32))
 
-#: The shared drafters' names; every other log is a per-replica peer's.
-DRAFTER, ORACLE = "drafter", "oracle"
+#: The shared drafters' names, and the oracle over each replica's own history; every other log is a per-replica
+#: peer's.
+DRAFTER, ORACLE, REPLICA_ORACLE = "drafter", "oracle", "oracle-replica"
 
 #: ArcticInference's two settings: the cold suffix decoder a restarted replica starts with.
 SUFFIX_PEERS = ("arctic", "arctic-f4")
@@ -86,7 +95,8 @@ class FleetResult:
         mode: "chain" or "tree".
         budget: chain length k or tree nodes.
         plan: routing and restarts.
-        logs: drafter name -> counts; ``DRAFTER`` and ``ORACLE`` are shared, the others per-replica peers.
+        logs: drafter name -> counts; ``DRAFTER`` and ``ORACLE`` are shared, ``REPLICA_ORACLE`` the oracle over each
+            replica's own history, the others per-replica peers.
     """
 
     dataset: str
@@ -101,7 +111,7 @@ class FleetResult:
 
     @property
     def peers(self) -> list[str]:
-        return [n for n in self.logs if n not in (DRAFTER, ORACLE)]
+        return [n for n in self.logs if n not in (DRAFTER, ORACLE, REPLICA_ORACLE)]
 
     def scope(self, name: str) -> np.ndarray | None:
         """The requests a scope counts: None for all of them, or the plan's after-restart mask."""
@@ -132,6 +142,12 @@ class FleetResult:
         mats = self.mats(scope)
         return mats[DRAFTER] / best[1] if best and best[1] and DRAFTER in mats else None
 
+    def history_gain(self, scope: str = "all") -> float | None:
+        """The shared oracle's MAT over the per-replica oracle's in the scope: what the fleet's whole history holds
+        beyond each replica's own for a drafter that copies perfectly; None without both oracles."""
+        mats = self.mats(scope)
+        return mats[ORACLE] / mats[REPLICA_ORACLE] if mats.get(ORACLE) and mats.get(REPLICA_ORACLE) else None
+
     def requests(self, scope: str = "all") -> int:
         """Requests the scope counts."""
         where = self.scope(scope)
@@ -142,7 +158,7 @@ class FleetResult:
         where = self.scope(scope)
         best = self.best_peer(scope)
         mats = self.mats(scope)
-        ratio, suffix = self.ratio(scope), self.ratio(scope, SUFFIX_PEERS)
+        ratio, suffix, gain = self.ratio(scope), self.ratio(scope, SUFFIX_PEERS), self.history_gain(scope)
         return {"dataset": self.dataset, "mode": self.mode, "budget": self.budget,
                 "k": self.budget if self.mode == "chain" else None, "replicas": self.plan.replicas,
                 "routing": self.plan.routing, "restart_every": self.plan.restart_every,
@@ -154,7 +170,8 @@ class FleetResult:
                 "hit_rate": {n: round(log.hit_rate(where), 4) for n, log in self.logs.items()},
                 "best_peer": best[0] if best else None,
                 "drafter_vs_best_peer": round(ratio, 4) if ratio else None,
-                "drafter_vs_best_suffix": round(suffix, 4) if suffix else None}
+                "drafter_vs_best_suffix": round(suffix, 4) if suffix else None,
+                "oracle_vs_replica_oracle": round(gain, 4) if gain else None}
 
 
 def run_fleet(args: argparse.Namespace) -> int:
@@ -211,6 +228,9 @@ def _run_mode(dataset: str, reqs: list[Request], mode: Mode, budget: int, peers:
                     with _bar(f"{dataset} {mode} {budget} N={n} {routing} R={every}", len(reqs)) as bar:
                         done[plan.key()] = replay_fleet(reqs, plan, make_peers, budget, mode,
                                                         progress=lambda _: bar.update())
+                    if seen is not None:
+                        done[plan.key()][REPLICA_ORACLE] = replay_replica_oracles(reqs, plan, budget, mode,
+                                                                                  REPLICA_ORACLE)
                 logs = {log.name: log for log in shared} | done[plan.key()]
                 out.append(FleetResult(dataset, mode, budget, plan, logs))
     return out
@@ -235,15 +255,17 @@ def _cell(value: float | None, ratio: bool = False) -> str:
 
 
 def format_fleet(results: Sequence[FleetResult]) -> str:
-    """Two markdown tables: MAT over all requests per setting (drafter, each per-replica peer, the oracle; drafter
-    over the best peer), then over the first requests each replica served after its restarts (settings with
-    restarts), drafter against the best cold peer and the best cold suffix decoder."""
+    """Two markdown tables: MAT over all requests per setting (drafter, each per-replica peer, the oracles over the
+    shared and over each replica's own history; drafter over the best peer, the shared oracle over the per-replica
+    one), then over the first requests each replica served after its restarts (settings with restarts), drafter
+    against the best cold peer and the best cold suffix decoder, and the two oracles there."""
     if not results:
         return "(no results)"
     peers = list(dict.fromkeys(p for r in results for p in r.peers))
     oracle = any(ORACLE in r.logs for r in results)
-    head = "| data set | mode | N | routing | R | drafter | " + " | ".join(peers) + (" | oracle" if oracle else "") \
-        + " | best peer | drafter / best peer |"
+    oracles = " | oracle | oracle per replica" if oracle else ""
+    head = "| data set | mode | N | routing | R | drafter | " + " | ".join(peers) + oracles \
+        + " | best peer | drafter / best peer |" + (" oracle / per replica |" if oracle else "")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         lines.append(_row(r, "all", peers, oracle))
@@ -252,11 +274,12 @@ def format_fleet(results: Sequence[FleetResult]) -> str:
         window = restarted[0].plan.window
         lines += ["", f"After restarts: the first {window} requests each replica served after each of its restarts "
                   "(its peers cold, drafter's store whole).", ""]
-        head = "| data set | mode | N | routing | R | requests | drafter | " + " | ".join(peers) \
-            + " | best peer | drafter / best peer | drafter / best cold suffix |"
+        head = "| data set | mode | N | routing | R | requests | drafter | " + " | ".join(peers) + oracles \
+            + " | best peer | drafter / best peer | drafter / best cold suffix |" \
+            + (" oracle / per replica |" if oracle else "")
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for r in restarted:
-            lines.append(_row(r, "after-restart", peers, False))
+            lines.append(_row(r, "after-restart", peers, oracle))
     return "\n".join(lines)
 
 
@@ -268,10 +291,12 @@ def _row(r: FleetResult, scope: str, peers: Sequence[str], oracle: bool) -> str:
     cells.append(_cell(mats.get(DRAFTER)))
     cells += [_cell(mats.get(p)) for p in peers]
     if oracle:
-        cells.append(_cell(mats.get(ORACLE)))
+        cells += [_cell(mats.get(ORACLE)), _cell(mats.get(REPLICA_ORACLE))]
     best = r.best_peer(scope)
     cells.append(f"{best[0]} {best[1]:.3f}" if best else "-")
     cells.append(_cell(r.ratio(scope), ratio=True))
     if scope != "all":
         cells.append(_cell(r.ratio(scope, SUFFIX_PEERS), ratio=True))
+    if oracle:
+        cells.append(_cell(r.history_gain(scope), ratio=True))
     return "| " + " | ".join(cells) + " |"

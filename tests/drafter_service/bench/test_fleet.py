@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
-from drafter_service.bench.fleet import Fleet, FleetPlan, replay_fleet, replay_shared, route
+from drafter_service.bench.fleet import (
+    Fleet,
+    FleetPlan,
+    replay_fleet,
+    replay_replica_oracles,
+    replay_shared,
+    replica_histories,
+    route,
+)
 from drafter_service.bench.fleet_bench import FleetResult, add_fleet_bench, format_fleet
 from drafter_service.bench.ngram_mod import NGramModDrafter
 from drafter_service.bench.oracle import RetrievalOracle, SeenPrefixes
@@ -197,11 +205,13 @@ def test_bench_fleet_command_prints_both_tables_and_writes_json(tmp_path, capsys
     assert args.func(args) == 0
     table = capsys.readouterr().out
     assert "| drafter / best peer |" in table and "drafter / best cold suffix" in table
+    assert "| oracle per replica |" in table and "oracle / per replica |" in table
     rows = json.loads(out.read_text())
     # 2 N x 2 routings x 2 R over all requests, and the 4 settings with restarts after them
     assert len(rows) == 12 and sum(r["scope"] == "after-restart" for r in rows) == 4
     first = rows[0]
-    assert set(first["mat"]) == {"drafter", "oracle", "prompt-lookup", "pia"} and first["k"] == 4
+    assert set(first["mat"]) == {"drafter", "oracle", "oracle-replica", "prompt-lookup", "pia"} and first["k"] == 4
+    assert all(r["oracle_vs_replica_oracle"] >= 1.0 for r in rows)
 
 
 def test_a_setting_whose_restarts_leave_no_request_after_them_shows_no_figures() -> None:
@@ -213,3 +223,26 @@ def test_a_setting_whose_restarts_leave_no_request_after_them_shows_no_figures()
     assert result.best_peer("after-restart") is None and result.ratio("after-restart") is None
     row = format_fleet([result]).splitlines()[-1]
     assert row == "| set | chain 4 | 2 | round-robin | 4 | 0 | - | - | - | - | - |"
+
+
+def test_replica_histories_are_what_each_replica_served_between_its_restarts() -> None:
+    plan = FleetPlan.build(_requests(10), 2, "round-robin", 3)  # restarts after indexes 2 (0), 5 (1), 8 (0)
+    assert replica_histories(plan) == [[0, 2], [1, 3, 5], [4, 6, 8], [7, 9]]
+    assert replica_histories(FleetPlan.build(_requests(5), 1, "round-robin", 0)) == [[0, 1, 2, 3, 4]]
+
+
+def test_the_oracle_per_replica_sees_only_its_replicas_history() -> None:
+    reqs = _requests(12)
+    alone = replay_replica_oracles(reqs, FleetPlan.build(reqs, 1, "round-robin", 0), 8)
+    assert alone.mat() == replay_shared(RetrievalOracle(SeenPrefixes.of(reqs, 8)), reqs, 8).mat()
+    plan = FleetPlan.build(reqs, 2, "round-robin", 5)
+    split = replay_replica_oracles(reqs, plan, 8)
+    for stretch in replica_histories(plan):  # each stretch replayed on its own, with nothing before it
+        served = [reqs[i] for i in stretch]
+        own = replay_shared(RetrievalOracle(SeenPrefixes.of(served, 8)), served, 8)
+        assert split.steps[stretch].tolist() == own.steps.tolist()
+    assert split.mat() < alone.mat()  # the other replica's requests would have helped
+    logs = {"drafter": replay_shared(CoreDrafter(), reqs, 8), "oracle": replay_shared(
+        RetrievalOracle(SeenPrefixes.of(reqs, 8)), reqs, 8), "oracle-replica": split}
+    result = FleetResult("set", "chain", 8, plan, logs)
+    assert result.peers == [] and result.history_gain() == pytest.approx(alone.mat() / split.mat())
