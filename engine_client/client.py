@@ -171,8 +171,9 @@ class DrafterClient(LocalFigures):
         self._stream: _Stream | None = None
         self._stream_lock = threading.Lock()
         self._closing = threading.Event()
-        self._watchdog = threading.Thread(target=self._watch, name="drafter-deadline", daemon=True)
-        self._watchdog.start()
+        # started with the first stream: a client that only batches has no reads to watch, and no thread waking
+        # every 10 ms beside the engine
+        self._watchdog: threading.Thread | None = None
         if connect_timeout > 0:
             ready = grpc.channel_ready_future(self._channel)
             try:
@@ -216,6 +217,9 @@ class DrafterClient(LocalFigures):
         with self._stream_lock:
             if self._stream is None or self._stream.closed:
                 self._stream = _Stream(self._stub, self._book)
+                if self._watchdog is None and not self._closing.is_set():
+                    self._watchdog = threading.Thread(target=self._watch, name="drafter-deadline", daemon=True)
+                    self._watchdog.start()
             return self._stream
 
     def _watch(self) -> None:

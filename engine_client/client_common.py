@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from drafter_service.api.backoff import BackoffClock, ExponentialBackoff
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
@@ -231,13 +232,29 @@ def stats_dict(reply: Any) -> dict[str, Any]:
 def check_tokens(tokens: Sequence[int], vocab_size: int | None, what: str) -> list[int]:
     """``tokens`` as a list of ints; DrafterRequestError for negative or out-of-vocabulary ids."""
     try:
-        out = [int(t) for t in tokens]
+        out = list(map(int, tokens))
     except (TypeError, ValueError) as exc:
         raise DrafterRequestError(f"{what} must hold integer token ids: {exc}") from None
     if out and (min(out) < 0 or (vocab_size is not None and max(out) >= vocab_size)):
-        bad = next(t for t in out if t < 0 or (vocab_size is not None and t >= vocab_size))
-        raise DrafterRequestError(f"{what} holds token id {bad}, outside [0, {vocab_size or 'vocab_size'})")
+        _refuse_ids(out, vocab_size, what)
     return out
+
+
+def check_token_lists(lists: Iterable[Sequence[int]], vocab_size: int | None, what: str) -> list[list[int]]:
+    """``check_tokens`` for the lists of a batch at once (one range check over all of them)."""
+    try:
+        out = [list(map(int, tokens)) for tokens in lists]
+    except (TypeError, ValueError) as exc:
+        raise DrafterRequestError(f"{what} must hold integer token ids: {exc}") from None
+    flat = list(itertools.chain.from_iterable(out))
+    if flat and (min(flat) < 0 or (vocab_size is not None and max(flat) >= vocab_size)):
+        _refuse_ids(flat, vocab_size, what)
+    return out
+
+
+def _refuse_ids(ids: list[int], vocab_size: int | None, what: str) -> NoReturn:
+    bad = next(t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size))
+    raise DrafterRequestError(f"{what} holds token id {bad}, outside [0, {vocab_size or 'vocab_size'})")
 
 
 def to_sequences(requests: Iterable[Sequence[Any]], vocab_size: int | None) -> list[pb.Sequence]:

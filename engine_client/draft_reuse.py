@@ -12,7 +12,7 @@ import logging
 import re
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from time import perf_counter_ns
 from typing import Any
@@ -28,6 +28,7 @@ from engine_client.client_common import (
     ClientStats,
     DrafterRequestError,
     IngestBuffer,
+    check_token_lists,
     check_tokens,
 )
 
@@ -110,7 +111,7 @@ def reusable_subtree(tree: DraftTree, accepted: Sequence[int], min_nodes: int = 
     return sub if len(sub) >= max(1, min_nodes) else None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SessionState:
     """One request as the client knows it, and how much of it the service's session holds.
 
@@ -135,7 +136,7 @@ class SessionState:
     last_kind: str = ""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Pending:
     """A DraftRequest on the stream whose answer is not matched yet; ``waiter`` is the transport's stream."""
 
@@ -219,6 +220,14 @@ class SessionBook:
             raise DrafterRequestError(f"unknown session {session!r}", "NOT_FOUND")
         return state
 
+    def get_all(self, sessions: Iterable[str]) -> list[SessionState]:
+        """``get`` for the sessions of a step."""
+        states = list(map(self._sessions.get, sessions))
+        if None in states:
+            for session in sessions:
+                self.get(session)
+        return states  # type: ignore[return-value]  # no None left
+
     def close(self, state: SessionState) -> None:
         """Forget a session."""
         with self._lock:
@@ -247,7 +256,7 @@ class SessionBook:
         """``record`` for the sessions of a step, at once: every argument is checked before any token is
         recorded."""
         self.record_check(step_seconds, max_nodes, plain_step_seconds)
-        toks = [check_tokens(a, self.vocab_size, "accepted") for a in accepted]
+        toks = check_token_lists(accepted, self.vocab_size, "accepted")
         stats = self.stats
         with self._lock:
             for state, t in zip(states, toks, strict=True):
@@ -374,23 +383,21 @@ class SessionBook:
         """``next_step`` for many sessions at once, their tokens one after another: (remote session ids, every
         session's tokens not sent yet, how many each has, budgets to ask for, pending records). The first
         ``prefetch`` sessions were served from an earlier tree: their trees are kept for the next step."""
-        asks = [0 if rep else self.budget(state, max_nodes)[1] for state, rep in zip(states, report, strict=True)]
-        ids: list[str] = []
-        tokens: list[int] = []
-        counts: list[int] = []
-        entries: list[Pending] = []
+        limit, factor = self.limit, (self.reuse_factor if self.reuse else 1)
+        asks = [0 if rep else min(min(max_nodes or state.max_nodes, limit) * factor, limit)  # ``budget``'s second
+                for state, rep in zip(states, report, strict=True)]
         with self._lock:
-            for k, (state, rep, ask) in enumerate(zip(states, report, asks, strict=True)):
-                end = len(state.tokens)
-                tokens += state.tokens[state.sent:end]
-                counts.append(end - state.sent)
-                state.sent = end
-                entry = Pending(state, state.generation, end, rep, ask, prefetch=k < prefetch)
+            counts = [len(state.tokens) - state.sent for state in states]
+            tokens = list(itertools.chain.from_iterable(state.tokens[state.sent:] for state in states))
+            entries = [Pending(state, state.generation, len(state.tokens), rep, ask, prefetch=k < prefetch)
+                       for k, (state, rep, ask) in enumerate(zip(states, report, asks, strict=True))]
+            for entry in entries:
+                state = entry.state
+                state.sent = entry.upto
                 state.pending.append(entry)
-                if k < prefetch:
-                    state.prefetch = entry
-                ids.append(state.remote_id)
-                entries.append(entry)
+            for entry in entries[:prefetch]:
+                entry.state.prefetch = entry
+            ids = [state.remote_id for state in states]
             self.stats.reports_sent += sum(report)
         return ids, tokens, counts, asks, entries
 
@@ -441,11 +448,17 @@ class SessionBook:
     def answered_packed(self, entries: Sequence[Pending], sizes: Sequence[int], t0: int) -> None:
         """``answered_all`` for a batch taken as flat arrays, without a tree object per step: without reuse each
         tree is the engine's whole part, and no later step reads it back (``sizes``: each tree's nodes)."""
-        now = perf_counter_ns()
+        round_trip_ns, stats = perf_counter_ns() - t0, self.stats
         with self._lock:
             for entry, size in zip(entries, sizes, strict=True):
                 self._settle(entry, EMPTY_TREE)  # answered (its tree is in the arrays)
-                self._fetched_whole(entry, EMPTY_TREE, size, now - t0)
+                state = entry.state
+                state.full, state.full_base, state.last_kind = EMPTY_TREE, entry.upto, ("fetch" if size else "")
+            # ``_fetched_whole``'s counts, for the whole batch at once
+            stats.steps += len(entries)
+            stats.fetched_steps += len(entries)
+            stats.fetched_nodes += sum(sizes)
+            stats.round_trip_ns += round_trip_ns * len(entries)
 
     def _settle(self, entry: Pending, tree: DraftTree) -> None:
         """``entry`` was answered with ``tree`` (hold the lock)."""

@@ -77,11 +77,11 @@ def begin(book: SessionBook, items: Sequence[tuple[str, Sequence[int]]], max_nod
         DrafterRequestError: an unknown or repeated session, bad token ids, budget or step time (nothing recorded).
     """
     t0 = perf_counter_ns()
-    states = [book.get(session) for session, _ in items]
-    if len({id(state) for state in states}) != len(states):
+    sessions, accepted = zip(*items, strict=True) if items else ((), ())
+    states = book.get_all(sessions)
+    if len(set(map(id, states))) != len(states):
         raise DrafterRequestError("a session appears twice in one batch")
-    recorded = book.record_all(states, [accepted for _, accepted in items], step_seconds, max_nodes,
-                               plain_step_seconds)
+    recorded = book.record_all(states, accepted, step_seconds, max_nodes, plain_step_seconds)
     trees: list[DraftTree | None] = ([book.try_reuse(state, max_nodes) for state in states] if book.reuse
                                      else [None] * len(states))
     reports = [i for i, tree in enumerate(trees) if tree is not None and book.can_report(states[i])]

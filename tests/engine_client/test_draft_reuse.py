@@ -2,13 +2,21 @@
 
 import logging
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter_service.api.drafter.v1 import drafter_pb2 as pb
 from drafter_service.api.tree import EMPTY_TREE, DraftTree
-from engine_client.client_common import Backoff, ClientStats, DrafterRequestError, IngestBuffer, check_tokens
+from engine_client.client_common import (
+    Backoff,
+    ClientStats,
+    DrafterRequestError,
+    IngestBuffer,
+    check_token_lists,
+    check_tokens,
+)
 from engine_client.draft_reuse import SessionBook, descend, reusable_subtree, settle_all, tree_of
 
 # root -> 5 -> 6 -> 7 ; root -> 8 -> 9 ; 5 -> 4 ; 7 -> 3
@@ -97,6 +105,14 @@ def test_token_checks_raise_request_errors():
         check_tokens([10], 10, "accepted")
     with pytest.raises(DrafterRequestError, match="integer"):
         check_tokens(["a"], None, "prompt")
+
+
+def test_a_batch_of_token_lists_is_checked_as_each_list_alone():
+    assert check_token_lists([(1, 2), [], np.array([3])], 10, "x") == [[1, 2], [], [3]]
+    assert check_token_lists([], 10, "x") == []
+    for lists, match in (([[1], [3, -1]], "-1"), ([[], [2, 10], [11]], "id 10,"), ([[1], ["a"]], "integer")):
+        with pytest.raises(DrafterRequestError, match=match):
+            check_token_lists(lists, 10, "accepted")
 
 
 def opened_session(book, prompt=(1, 2, 3)):
