@@ -17,6 +17,7 @@ from drafter_service.bench.batch_bench import add_batch_bench
 from drafter_service.bench.corpus_bench import add_corpus_bench
 from drafter_service.bench.doc_blocks import DocBlockError, add_doc_flag, parse_targets, write_doc_blocks
 from drafter_service.bench.e2e import add_e2e_bench
+from drafter_service.bench.first_token import add_first_token_bench
 from drafter_service.bench.fleet_bench import add_fleet_bench
 from drafter_service.bench.oracle import RetrievalOracle, SeenPrefixes
 from drafter_service.bench.proposer_bench import add_proposer_bench
@@ -103,6 +104,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     add_soak_bench(bench)
     add_replicas_bench(bench)
     add_fleet_bench(bench)
+    add_first_token_bench(bench)
 
 
 def _oracles(reqs: Sequence[Request], passes: int, warm: Sequence[Request] | None,
