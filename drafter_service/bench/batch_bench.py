@@ -6,6 +6,7 @@ import argparse
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -30,7 +31,8 @@ def add_batch_bench(bench: argparse._SubParsersAction) -> None:
     bp.add_argument("--batch", type=int, action="append", help="requests in flight (repeatable; default 1, 8, "
                     "32, 128, 256)")
     bp.add_argument("--budget", type=int, action="append", help="tree budget (repeatable; default 16 and 32)")
-    bp.add_argument("--steps", type=int, default=30, help="engine steps timed per configuration and path")
+    bp.add_argument("--steps", type=int, default=30, help="engine steps timed per configuration and path (the "
+                    "batched paths, DraftBatch through the client, packed and bare, step in turn, one engine each)")
     bp.add_argument("--reuse", type=int, default=0, help="1: let the client reuse subtrees (fewer round trips)")
     bp.add_argument("--wire", type=int, default=1, help="1: also time DraftBatch as a bare load generator sends it "
                     "(packed steps, replies read whole with numpy): what the service answers, without the client")
@@ -59,13 +61,13 @@ SUSTAINED = 40000
 class Engine:
     """B requests in flight, each replaying a held-out request's output with greedy acceptance."""
 
-    def __init__(self, client: DrafterClient, pool: list[Request], batch: int, offset: int) -> None:
-        self.client, self.pool, self.next = client, pool, offset
+    def __init__(self, client: DrafterClient, pool: list[Request], batch: int, offset: int, stride: int = 1) -> None:
+        self.client, self.pool, self.next, self.stride = client, pool, offset, stride  # requests offset, + stride..
         self.slots = [self._open() for _ in range(batch)]
 
     def _open(self) -> list:
         req = self.pool[self.next % len(self.pool)]
-        self.next += 1
+        self.next += self.stride
         return [self.client.start(req.prompt.tolist()), req.output.tolist(), 0, []]
 
     def items(self) -> list[tuple[str, list[int]]]:
@@ -143,18 +145,6 @@ class WireEngine:
             self.stub.EndSession(pb.EndSessionRequest(session_id=sid, accepted=accepted))
 
 
-def _time_wire(engine: WireEngine, budget: int, steps: int) -> list[float]:
-    """Milliseconds per DraftBatch of the bare load generator, ``steps`` of them after two to warm up."""
-    times = []
-    for i in range(steps + 2):
-        t0 = time.perf_counter()
-        answer = engine.step(budget)
-        if i >= 2:
-            times.append((time.perf_counter() - t0) * 1e3)
-        engine.advance(answer)
-    return times
-
-
 def _engines_rate(engines: list[WireEngine], budget: int, steps: int) -> float:
     """Drafts per second the service answers to several bare load generators stepping at once, each in its own
     thread (one service, many engines): every tree of ``steps`` steps each over the wall time of them all."""
@@ -175,25 +165,44 @@ def _engines_rate(engines: list[WireEngine], budget: int, steps: int) -> float:
     return sum(len(e.slots) for e in engines) * steps / (time.perf_counter() - t0)
 
 
-def _time_steps(engine: Engine, path: str, budget: int, steps: int) -> list[float]:
-    """Milliseconds of drafting per engine step (every request's draft), ``steps`` of them after two to warm up;
-    ``path``: "single" (one Draft per request), "batch" (``draft_batch``) or "packed" (``draft_batch_packed``)."""
-    times = []
-    for i in range(steps + 2):
-        items = engine.items()
+def _step_ms(engine: Engine | WireEngine, path: str, budget: int) -> float:
+    """One engine step on ``path``: the milliseconds of its drafting (every request's draft), then the acceptance.
+    Paths: "single" (one Draft per request), "batch" (``draft_batch``), "packed" (``draft_batch_packed``), "wire"
+    (the bare load generator, ``WireEngine``)."""
+    if isinstance(engine, WireEngine):
         t0 = time.perf_counter()
-        packed = None
-        if path == "batch":
-            trees = engine.client.draft_batch(items, budget)
-        elif path == "packed":
-            packed = engine.client.draft_batch_packed(items, budget)
-        else:
-            trees = [engine.client.draft(sid, accepted, budget) for sid, accepted in items]
-        if i >= 2:
-            times.append((time.perf_counter() - t0) * 1e3)
-        if packed is not None:  # trees for the acceptance, outside the time
-            trees = [packed.tree(k) for k in range(len(items))]
-        engine.advance(trees)
+        answer = engine.step(budget)
+        ms = (time.perf_counter() - t0) * 1e3
+        engine.advance(answer)
+        return ms
+    items = engine.items()
+    t0 = time.perf_counter()
+    packed = None
+    if path == "batch":
+        trees = engine.client.draft_batch(items, budget)
+    elif path == "packed":
+        packed = engine.client.draft_batch_packed(items, budget)
+    else:
+        trees = [engine.client.draft(sid, accepted, budget) for sid, accepted in items]
+    ms = (time.perf_counter() - t0) * 1e3
+    if packed is not None:  # trees for the acceptance, outside the time
+        trees = [packed.tree(k) for k in range(len(items))]
+    engine.advance(trees)
+    return ms
+
+
+def _time_paths(engines: Sequence[tuple[str, Engine | WireEngine]], budget: int, steps: int) -> list[list[float]]:
+    """Milliseconds per step of each (path, engine), ``steps`` of them after two to warm up. The engines step in
+    turn, one step each (the first one first, then the second first, ...), so that the paths share whatever the
+    service is doing meanwhile (rebuilds, stored requests) and compare like with like."""
+    times: list[list[float]] = [[] for _ in engines]
+    for i in range(steps + 2):
+        for j in range(len(engines)):
+            k = (i + j) % len(engines)
+            path, engine = engines[k]
+            ms = _step_ms(engine, path, budget)
+            if i >= 2:
+                times[k].append(ms)
     return times
 
 
@@ -205,7 +214,7 @@ def _sustain(stub: pb_grpc.DrafterStub, pool: list[Request], batch: int, budget:
     t_end = time.monotonic() + seconds
     print(f"sustained, B = {batch}, budget {budget}: ms per bare DraftBatch, median of each 100 steps", flush=True)
     while time.monotonic() < t_end and engine.next < len(pool):
-        blocks.append(float(np.median(_time_wire(engine, budget, 100))))
+        blocks.append(float(np.median(_time_paths([("wire", engine)], budget, 100)[0])))
         stats = stub.GetStats(pb.GetStatsRequest())
         print(f"  block {len(blocks)}: {blocks[-1]:.2f} ms ({batch / blocks[-1] * 1e3:,.0f} drafts/s); "
               f"{stats.stored_tokens:,} tokens stored, {stats.unindexed_tokens:,} not indexed yet", flush=True)
@@ -299,7 +308,8 @@ def run_core_bench(args: argparse.Namespace, fill: list[Request], pool: list[Req
 
 
 def run_batch_bench(args: argparse.Namespace) -> int:
-    """Fill a service process, then time engine steps at each batch size and budget, both paths side by side."""
+    """Fill a service process, then time engine steps at each batch size and budget: one Draft per request, then
+    the batched paths side by side (their engines stepping in turn)."""
     batches, budgets = args.batch or [1, 8, 32, 128, 256], args.budget or [16, 32]
     extra = SUSTAINED if args.sustain > 0 or args.core > 0 else 0
     requests = load_dataset("sharegpt", FILL + HELD + extra)
@@ -329,19 +339,20 @@ def run_batch_bench(args: argparse.Namespace) -> int:
                 cursor = 0  # every engine replays requests no earlier engine stored (else the repeat cache answers)
                 for budget in budgets:
                     for b in batches:
-                        medians = []
-                        for path in ("single", "batch", "packed", "wire")[:4 if args.wire else 3]:
-                            engine: Engine | WireEngine
-                            if path == "wire":
-                                engine = WireEngine(stub, held, b, offset=cursor)
-                                medians.append(float(np.median(_time_wire(engine, budget, args.steps))))
-                            else:
-                                engine = Engine(client, held, b, offset=cursor)
-                                medians.append(float(np.median(_time_steps(engine, path, budget, args.steps))))
+                        alone = Engine(client, held, b, offset=cursor)  # by itself: its step takes B round trips
+                        medians = [float(np.median(_time_paths([("single", alone)], budget, args.steps)[0]))]
+                        alone.close()
+                        paths = ("batch", "packed", "wire")[:3 if args.wire else 2]
+                        engines: list[tuple[str, Engine | WireEngine]] = [
+                            (path, WireEngine(stub, held, b, offset=alone.next + k, stride=len(paths))
+                             if path == "wire" else Engine(client, held, b, offset=alone.next + k, stride=len(paths)))
+                            for k, path in enumerate(paths)]
+                        medians += [float(np.median(t)) for t in _time_paths(engines, budget, args.steps)]
+                        for _, engine in engines:
                             engine.close()
-                            if engine.next > len(held) >= cursor:
-                                print(f"(requests replayed from here on: the {len(held)} held-out ones are used up)")
-                            cursor = engine.next
+                        if max(engine.next for _, engine in engines) > len(held) >= cursor:
+                            print(f"(requests replayed from here on: the {len(held)} held-out ones are used up)")
+                        cursor = max(engine.next for _, engine in engines)
                         rate = ""
                         if args.engines:
                             fleet = [WireEngine(stub, held, b, offset=cursor + k, stride=args.engines)
