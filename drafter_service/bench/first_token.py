@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 
 from tqdm import tqdm
 
-from drafter_service.api.tree import DraftTree, accept_greedy, best_chain
-from drafter_service.bench.replay import PROPOSER, CoreDrafter, path_tree
+from drafter_service.api.tree import DraftTree, best_chain
+from drafter_service.bench.replay import PROPOSER, CoreDrafter, path_tree, replay
 from drafter_service.bench.replay_inputs import add_request_flags, load_sets
 from drafter_service.datasets.loaders import Request
 from engine_client.packed_trees import PackedTrees
@@ -77,12 +77,11 @@ class FirstTokens:
         """``count`` as a share of the steps."""
         return count / self.steps if self.steps else 0.0
 
-    def count(self, tree: DraftTree, chain: DraftTree, target: int, accepted: int) -> None:
-        """Sort one step: ``chain`` was cut from ``tree`` and had ``accepted`` tokens accepted; ``target`` is the
-        target's next token."""
+    def count(self, tree: DraftTree, chain: DraftTree, target: int) -> None:
+        """Sort one step: ``chain`` was cut from ``tree``; ``target`` is the target's next token."""
         self.steps += 1
         self.no_chain += not len(chain)
-        if accepted:
+        if len(chain) and chain.token_ids[0] == target:
             self.accepted += 1
             return
         kids = sorted(((tree.probs[i], tree.token_ids[i]) for i, p in enumerate(tree.parents) if p < 0), reverse=True)
@@ -94,10 +93,43 @@ class FirstTokens:
             self.second += rank == 1
 
 
+class _SortingDrafter:
+    """drafter's core in the replay, its chains cut by a rule; each step is sorted when the replay hands over the
+    tokens it emitted (the first of them is the target's next token)."""
+
+    def __init__(self, choose: ChainRule, nodes: int, counts: FirstTokens) -> None:
+        self.name = f"drafter ({counts.rule})"
+        self.core = CoreDrafter()
+        self.choose, self.nodes, self.counts = choose, nodes, counts
+        self._drafted: dict[str, tuple[DraftTree, DraftTree]] = {}  # the last step's tree and chain, not yet sorted
+
+    def start(self, request_id: str, prompt: Sequence[int]) -> None:
+        self.core.start(request_id, prompt)
+
+    def extend(self, request_id: str, tokens: Sequence[int]) -> None:
+        drafted = self._drafted.pop(request_id, None)
+        if drafted is not None and len(tokens):
+            self.counts.count(*drafted, int(tokens[0]))
+        self.core.extend(request_id, tokens)
+
+    def propose(self, request_id: str, max_nodes: int) -> DraftTree:
+        return self.core.propose(request_id, max_nodes)
+
+    def propose_chain(self, request_id: str, k: int) -> DraftTree:
+        tree = self.core.propose(request_id, self.nodes)
+        chain = path_tree(tree, self.choose(tree, k))
+        self._drafted[request_id] = (tree, chain)
+        return chain
+
+    def end(self, request_id: str) -> None:
+        self.core.end(request_id)
+
+
 def replay_first_tokens(requests: Sequence[Request], k: int, rule: str = "likeliest", nodes: int = 0,
-                        dataset: str = "", progress: Callable[[], None] | None = None) -> FirstTokens:
-    """Replay ``requests`` in order through drafter's core with chains of at most ``k`` tokens cut by ``rule``
-    from trees of ``nodes`` nodes (0: what the vLLM proposer asks for), sorting every step (``FirstTokens``).
+                        dataset: str = "", progress: Callable[[int], None] | None = None) -> FirstTokens:
+    """Replay ``requests`` as ``bench replay --chain k`` does (``replay``), drafter's chains of at most ``k`` tokens
+    cut by ``rule`` from trees of ``nodes`` nodes (0: what the vLLM proposer asks for), sorting every step
+    (``FirstTokens``).
 
     Raises:
         ValueError: an unknown rule, or ``k`` < 1.
@@ -106,31 +138,11 @@ def replay_first_tokens(requests: Sequence[Request], k: int, rule: str = "likeli
         raise ValueError(f"chain rule must be one of {', '.join(RULES)}, got {rule!r}")
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
-    choose, nodes = RULES[rule], nodes or PROPOSER.tree_nodes(k)
-    out = FirstTokens(dataset, rule, k, nodes)
-    drafter = CoreDrafter()
-    for n, req in enumerate(requests):
-        rid = req.request_id or f"r{n}"
-        drafter.start(rid, req.prompt.tolist())
-        answer = req.output.tolist()
-        pos = 0
-        pending: list[int] = []
-        while pos < len(answer):
-            if pending:
-                drafter.extend(rid, pending)
-            tree = drafter.propose(rid, nodes)
-            chain = path_tree(tree, choose(tree, k))
-            accepted, _ = accept_greedy(chain, answer[pos:])
-            out.count(tree, chain, answer[pos], accepted)
-            advance = min(accepted + 1, len(answer) - pos)
-            out.emitted += advance
-            pending = answer[pos:pos + advance]
-            pos += advance
-        if pending:
-            drafter.extend(rid, pending)
-        drafter.end(rid)
-        if progress is not None:
-            progress()
+    out = FirstTokens(dataset, rule, k, nodes or PROPOSER.tree_nodes(k))
+    result = replay(_SortingDrafter(RULES[rule], out.nodes, out), requests, k, dataset, progress, mode="chain")
+    out.emitted = result.emitted
+    if result.steps != out.steps:  # every step's tokens reach ``extend``
+        raise AssertionError(f"{out.steps} steps sorted of the replay's {result.steps}")
     return out
 
 
@@ -170,7 +182,8 @@ def run_first_token_bench(args: argparse.Namespace) -> int:
     for name, reqs in load_sets(args):
         for rule in rules:
             with tqdm(total=len(reqs), desc=f"{name} {rule}", unit="req", file=sys.stderr, leave=False) as bar:
-                results.append(replay_first_tokens(reqs, args.chain, rule, args.nodes, name, bar.update))
+                results.append(replay_first_tokens(reqs, args.chain, rule, args.nodes, name,
+                                                    lambda _: bar.update()))
     print(format_first_tokens(results))
     if args.json:
         with open(args.json, "w") as f:

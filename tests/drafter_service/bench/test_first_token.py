@@ -52,11 +52,11 @@ def test_a_step_is_sorted_by_where_the_targets_token_sits_among_the_roots_childr
     tree = DraftTree((5, 6, 7, 8), (-1, -1, 0, -1), (0.5, 0.3, 0.4, 0.1), 1.3)
     chain = DraftTree((5, 7), (-1, 0), (0.5, 0.4), 0.9)
     counts = FirstTokens("toy", "likeliest", 2, 4)
-    counts.count(tree, chain, 5, 2)  # accepted
-    counts.count(tree, chain, 6, 0)  # the second likeliest child
-    counts.count(tree, chain, 8, 0)  # the third
-    counts.count(tree, chain, 7, 0)  # 7 is no child of the root
-    counts.count(DraftTree(), DraftTree(), 5, 0)  # nothing drafted
+    counts.count(tree, chain, 5)  # accepted
+    counts.count(tree, chain, 6)  # the second likeliest child
+    counts.count(tree, chain, 8)  # the third
+    counts.count(tree, chain, 7)  # 7 is no child of the root
+    counts.count(DraftTree(), DraftTree(), 5)  # nothing drafted
     assert (counts.steps, counts.accepted, counts.another_child, counts.second, counts.absent, counts.no_chain) == \
         (5, 1, 2, 1, 2, 1)
     assert "| toy | likeliest, k = 2, 4 nodes |" in format_first_tokens([counts])
