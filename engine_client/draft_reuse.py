@@ -12,7 +12,7 @@ import logging
 import re
 import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from time import perf_counter_ns
 from typing import Any
@@ -220,7 +220,7 @@ class SessionBook:
             raise DrafterRequestError(f"unknown session {session!r}", "NOT_FOUND")
         return state
 
-    def get_all(self, sessions: Iterable[str]) -> list[SessionState]:
+    def get_all(self, sessions: Sequence[str]) -> list[SessionState]:
         """``get`` for the sessions of a step."""
         states = list(map(self._sessions.get, sessions))
         if None in states:
@@ -382,7 +382,8 @@ class SessionBook:
                    prefetch: int = 0) -> tuple[list[str], list[int], list[int], list[int], list[Pending]]:
         """``next_step`` for many sessions at once, their tokens one after another: (remote session ids, every
         session's tokens not sent yet, how many each has, budgets to ask for, pending records). The first
-        ``prefetch`` sessions were served from an earlier tree: their trees are kept for the next step."""
+        ``prefetch`` sessions were served from an earlier tree: their trees are kept for the next step. The sessions
+        are distinct (``step_batch.begin`` refuses a batch that names one twice)."""
         limit, factor = self.limit, (self.reuse_factor if self.reuse else 1)
         asks = [0 if rep else min(min(max_nodes or state.max_nodes, limit) * factor, limit)  # ``budget``'s second
                 for state, rep in zip(states, report, strict=True)]
