@@ -384,9 +384,8 @@ class SessionBook:
         session's tokens not sent yet, how many each has, budgets to ask for, pending records). The first
         ``prefetch`` sessions were served from an earlier tree: their trees are kept for the next step. The sessions
         are distinct (``step_batch.begin`` refuses a batch that names one twice)."""
-        limit, factor = self.limit, (self.reuse_factor if self.reuse else 1)
-        asks = [0 if rep else min(min(max_nodes or state.max_nodes, limit) * factor, limit)  # ``budget``'s second
-                for state, rep in zip(states, report, strict=True)]
+        budget = self.budget
+        asks = [0 if rep else budget(state, max_nodes)[1] for state, rep in zip(states, report, strict=True)]
         with self._lock:
             counts = [len(state.tokens) - state.sent for state in states]
             tokens = list(itertools.chain.from_iterable(state.tokens[state.sent:] for state in states))
@@ -433,7 +432,8 @@ class SessionBook:
             Per entry: the engine's part of its tree (None for a report).
         """
         out: list[DraftTree | None] = []
-        now = perf_counter_ns()
+        round_trip_ns = perf_counter_ns() - t0
+        fetches = nodes = 0
         with self._lock:
             for entry, tree in zip(entries, trees, strict=True):
                 self._settle(entry, tree)
@@ -442,24 +442,22 @@ class SessionBook:
                     continue
                 got = entry.tree if entry.tree is not None else EMPTY_TREE
                 part = got.prefix(min(max_nodes or entry.state.max_nodes, self.limit))
-                self._fetched_whole(entry, got, len(part), now - t0)
+                self._keep_fetched(entry.state, got, entry.upto, len(part))
+                fetches += 1
+                nodes += len(part)
                 out.append(part)
+            self._count_fetches(fetches, nodes, round_trip_ns)
         return out
 
     def answered_packed(self, entries: Sequence[Pending], sizes: Sequence[int], t0: int) -> None:
         """``answered_all`` for a batch taken as flat arrays, without a tree object per step: without reuse each
         tree is the engine's whole part, and no later step reads it back (``sizes``: each tree's nodes)."""
-        round_trip_ns, stats = perf_counter_ns() - t0, self.stats
+        round_trip_ns = perf_counter_ns() - t0
         with self._lock:
             for entry, size in zip(entries, sizes, strict=True):
                 self._settle(entry, EMPTY_TREE)  # answered (its tree is in the arrays)
-                state = entry.state
-                state.full, state.full_base, state.last_kind = EMPTY_TREE, entry.upto, ("fetch" if size else "")
-            # ``_fetched_whole``'s counts, for the whole batch at once
-            stats.steps += len(entries)
-            stats.fetched_steps += len(entries)
-            stats.fetched_nodes += sum(sizes)
-            stats.round_trip_ns += round_trip_ns * len(entries)
+                self._keep_fetched(entry.state, EMPTY_TREE, entry.upto, size)
+            self._count_fetches(len(entries), sum(sizes), round_trip_ns)
 
     def _settle(self, entry: Pending, tree: DraftTree) -> None:
         """``entry`` was answered with ``tree`` (hold the lock)."""
@@ -471,15 +469,20 @@ class SessionBook:
             if entry.generation == state.generation:
                 state.acked = max(state.acked, entry.upto)
 
-    def _fetched_whole(self, entry: Pending, tree: DraftTree, nodes: int, round_trip_ns: int) -> None:
-        """The session keeps ``tree`` as its latest and the statistics count a fetch of ``nodes`` (hold the
-        lock)."""
-        state, stats = entry.state, self.stats
-        state.full, state.full_base, state.last_kind = tree, entry.upto, ("fetch" if nodes else "")
-        stats.steps += 1
-        stats.fetched_steps += 1
+    @staticmethod
+    def _keep_fetched(state: SessionState, tree: DraftTree, upto: int, nodes: int) -> None:
+        """The session keeps ``tree``, drafted for ``tokens[:upto]``, as its latest; the engine got ``nodes`` of it
+        (hold the lock)."""
+        state.full, state.full_base, state.last_kind = tree, upto, ("fetch" if nodes else "")
+
+    def _count_fetches(self, fetches: int, nodes: int, round_trip_ns: int) -> None:
+        """The statistics count ``fetches`` fetched steps of ``nodes`` in all, each after ``round_trip_ns`` (hold
+        the lock)."""
+        stats = self.stats
+        stats.steps += fetches
+        stats.fetched_steps += fetches
         stats.fetched_nodes += nodes
-        stats.round_trip_ns += round_trip_ns
+        stats.round_trip_ns += round_trip_ns * fetches
 
     def failed(self, entry: Pending, code: str, details: str = "", culprit: bool = False,
                definite: bool = False) -> None:
@@ -586,11 +589,8 @@ class SessionBook:
         tree = entry.tree if entry.tree is not None else EMPTY_TREE
         out = tree.prefix(self.budget(state, max_nodes)[0])
         with self._lock:
-            state.full, state.full_base, state.last_kind = tree, entry.upto, ("fetch" if len(out) else "")
-            self.stats.steps += 1
-            self.stats.fetched_steps += 1
-            self.stats.fetched_nodes += len(out)
-            self.stats.round_trip_ns += perf_counter_ns() - t0
+            self._keep_fetched(state, tree, entry.upto, len(out))
+            self._count_fetches(1, len(out), perf_counter_ns() - t0)
         return out
 
     def empty(self, state: SessionState) -> DraftTree:
