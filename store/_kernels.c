@@ -31,6 +31,7 @@
 static PyObject *np_empty;  /* numpy.empty */
 static PyObject *dtype_i64; /* numpy.dtype("int64") */
 static PyObject *dtype_i32; /* numpy.dtype("int32") */
+static PyObject *dtype_u64; /* numpy.dtype("uint64") */
 
 /* ---- small helpers -------------------------------------------------------------------------------- */
 
@@ -2011,7 +2012,56 @@ static PyObject *py_simd(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     return PyUnicode_FromString(live_maps[live_map_choice].name);
 }
 
+PyDoc_STRVAR(pack_keys_doc,
+"pack_keys(rev, sa, bits, tokens_per_key) -> (n,) uint64 array | NotImplemented\n\n"
+"Native store.suffix_index._pack_keys: the first tokens_per_key tokens of each reversed suffix sa[i], token + 1,\n"
+"zero from a separator (or the end) on, packed big-endian in bits bits each. Runs without the interpreter lock.");
+
+static PyObject *py_pack_keys(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) return not_implemented();
+    int64_t bits, per_key;
+    if (!get_i64(args[2], &bits) || !get_i64(args[3], &per_key)) return not_implemented();
+    IntArg rev = {0}, sa = {0};
+    PyObject *res = NULL;
+    if (!int_arg(args[0], &rev) || rev.kind != 4 || rev.stride != 4 || !int_arg(args[1], &sa) || sa.kind != 4 ||
+        sa.stride != 4 || sa.n != rev.n || bits < 1 || bits > 32 || per_key < 1 || bits * per_key > 64) {
+        res = not_implemented();
+        goto done;
+    }
+    const int32_t *r = (const int32_t *)rev.view.buf, *order = (const int32_t *)sa.view.buf;
+    const Py_ssize_t n = rev.n;
+    for (Py_ssize_t i = 0; i < n; i++) { /* a wrong suffix array must not read out of bounds */
+        if (order[i] < 0 || order[i] >= n) {
+            res = not_implemented();
+            goto done;
+        }
+    }
+    uint64_t *keys;
+    res = new_array(dtype_u64, n, 0, 1, (void **)&keys);
+    if (res == NULL) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    enum { AHEAD = 16 }; /* suffixes prefetched ahead: each key is one scattered read */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) __builtin_prefetch(r + order[i + AHEAD]);
+        Py_ssize_t p = order[i];
+        uint64_t key = 0;
+        int alive = 1;
+        for (int64_t j = 0; j < per_key; j++) {
+            int64_t tok = alive && p + j < n ? (int64_t)r[p + j] : -1;
+            alive = tok >= 0;
+            key = (key << bits) | (uint64_t)(alive ? tok + 1 : 0);
+        }
+        keys[i] = key;
+    }
+    Py_END_ALLOW_THREADS
+done:
+    int_release(&rev);
+    int_release(&sa);
+    return res;
+}
+
 static PyMethodDef kernel_methods[] = {
+    {"pack_keys", (PyCFunction)(void (*)(void))py_pack_keys, METH_FASTCALL, pack_keys_doc},
     {"simd", (PyCFunction)(void (*)(void))py_simd, METH_FASTCALL, simd_doc},
     {"scan_matches", (PyCFunction)(void (*)(void))py_scan_matches, METH_FASTCALL, scan_matches_doc},
     {"extend_matches", (PyCFunction)(void (*)(void))py_extend_matches, METH_FASTCALL, extend_matches_doc},
@@ -2042,8 +2092,9 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     }
     dtype_i64 = PyObject_CallFunction(dtype, "s", "int64");
     dtype_i32 = PyObject_CallFunction(dtype, "s", "int32");
+    dtype_u64 = PyObject_CallFunction(dtype, "s", "uint64");
     Py_DECREF(dtype);
-    if (dtype_i64 == NULL || dtype_i32 == NULL) return NULL;
+    if (dtype_i64 == NULL || dtype_i32 == NULL || dtype_u64 == NULL) return NULL;
     if (PyType_Ready(&IndexType) < 0 || PyType_Ready(&TailType) < 0) return NULL;
 #if HAVE_X86_TARGETS
     __builtin_cpu_init();

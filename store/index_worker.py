@@ -77,9 +77,10 @@ def _serve() -> None:
             shm = SharedMemory(name=name)
             # the parent owns and unlinks it (SharedMemory._name, untyped: the name the tracker registered)
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-            snapshot = np.ndarray((n,), dtype=np.int32, buffer=shm.buf).copy()
-            shm.close()
+            snapshot = np.ndarray((n,), dtype=np.int32, buffer=shm.buf)  # read in place: the build reverses a copy
             sa, keys, bits, per_key = build_arrays(snapshot)
+            del snapshot  # the segment cannot close while an array views it
+            shm.close()
             if os.getppid() != owner:
                 return  # the service is gone: nobody would take (and unlink) the result
             out = SharedMemory(name=segment_name(owner, f"out{os.getpid()}-{k}"), create=True, size=max(1, n * 12))

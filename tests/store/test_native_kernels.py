@@ -211,6 +211,31 @@ def test_continuations_equal_numpy_reference(data: st.DataObject) -> None:
     assert got.tolist() == want.tolist()
 
 
+def _keys_by_definition(rev: np.ndarray, sa: np.ndarray, bits: int, per_key: int) -> list[int]:
+    keys = []
+    for p in sa.tolist():
+        key, alive = 0, True
+        for j in range(per_key):
+            tok = int(rev[p + j]) if p + j < rev.size else -1
+            alive = alive and tok >= 0
+            key = (key << bits) | (tok + 1 if alive else 0)
+        keys.append(key)
+    return keys
+
+
+@FAST
+@given(tokens=st.lists(st.integers(-1, 6), min_size=1, max_size=40),
+       layout=st.sampled_from([(3, 1), (3, 21), (4, 16), (16, 4), (32, 2)]))
+def test_packed_keys_equal_numpy_reference_and_their_definition(tokens: list[int], layout: tuple[int, int]) -> None:
+    rev = np.array(tokens, dtype=np.int32)
+    sa = np.array(sorted(range(len(tokens)), key=lambda p: tokens[p:]), dtype=np.int32)  # any order will do
+    bits, per_key = layout
+    got = KERNELS.pack_keys(rev, sa, bits, per_key)
+    assert got is not NotImplemented and got.dtype == np.uint64
+    assert got.tolist() == suffix_index.pack_keys_numpy(rev, sa, bits, per_key).tolist()
+    assert got.tolist() == _keys_by_definition(rev, sa, bits, per_key)
+
+
 @FAST
 @given(prompt=st.lists(st.integers(0, 3), max_size=30), steps=st.lists(st.lists(st.integers(0, 3), max_size=5),
                                                                           max_size=8),
@@ -363,6 +388,9 @@ def test_native_entry_points_decline_what_they_do_not_handle() -> None:
     assert KERNELS.scan_matches(ring.astype(np.int64), 0, 4, np.zeros(2, np.int64), 2, 0) is NotImplemented
     assert KERNELS.scan_matches(ring, 0, 4, [0, 0], 2, 0) is NotImplemented
     assert KERNELS.continuations(ring, np.zeros(2, np.float64), 3, 4) is NotImplemented
+    assert KERNELS.pack_keys(ring, np.array([0, 8], np.int32), 4, 16) is NotImplemented  # a position past the end
+    assert KERNELS.pack_keys(ring, np.zeros(8, np.int64), 4, 16) is NotImplemented
+    assert KERNELS.pack_keys(ring, np.zeros(8, np.int32), 8, 16) is NotImplemented  # 128 bits a key
     assert KERNELS.store_lookup([1, 2], ring, 0, 0, None, None, 8, 4, 4, 16, 16) is NotImplemented
     assert KERNELS.store_lookup(np.array([-1]), ring, 0, 0, None, None, 8, 4, 4, 16, 16) is NotImplemented
     assert KERNELS.store_lookup(np.array([1]), ring, 0, 0, None, None, 8, 4, 4, 16, 16) is None
