@@ -191,7 +191,11 @@ def redis_children(pid: int) -> list[int]:
     """Process ids of the embedded valkey-server processes that ``pid`` started."""
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:  # the thread ended since the folder was listed
+            continue
+        for child in children:
             try:
                 if Path(f"/proc/{child}/comm").read_text().strip() == "valkey-server":
                     out.append(int(child))
