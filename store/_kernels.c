@@ -2030,20 +2030,19 @@ static PyObject *py_pack_keys(PyObject *mod, PyObject *const *args, Py_ssize_t n
     }
     const int32_t *r = (const int32_t *)rev.view.buf, *order = (const int32_t *)sa.view.buf;
     const Py_ssize_t n = rev.n;
-    for (Py_ssize_t i = 0; i < n; i++) { /* a wrong suffix array must not read out of bounds */
-        if (order[i] < 0 || order[i] >= n) {
-            res = not_implemented();
-            goto done;
-        }
-    }
     uint64_t *keys;
     res = new_array(dtype_u64, n, 0, 1, (void **)&keys);
     if (res == NULL) goto done;
+    int bad = 0;
     Py_BEGIN_ALLOW_THREADS
-    enum { AHEAD = 16 }; /* suffixes prefetched ahead: each key is one scattered read */
+    enum { AHEAD = 16 }; /* suffixes prefetched ahead: each key is one scattered read (a prefetch never faults) */
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + AHEAD < n) __builtin_prefetch(r + order[i + AHEAD]);
         Py_ssize_t p = order[i];
+        if (p < 0 || p >= n) { /* not a suffix array of rev: never read out of bounds */
+            bad = 1;
+            break;
+        }
         uint64_t key = 0;
         int alive = 1;
         for (int64_t j = 0; j < per_key; j++) {
@@ -2054,6 +2053,10 @@ static PyObject *py_pack_keys(PyObject *mod, PyObject *const *args, Py_ssize_t n
         keys[i] = key;
     }
     Py_END_ALLOW_THREADS
+    if (bad) {
+        Py_DECREF(res);
+        res = not_implemented();
+    }
 done:
     int_release(&rev);
     int_release(&sa);

@@ -388,7 +388,8 @@ def test_native_entry_points_decline_what_they_do_not_handle() -> None:
     assert KERNELS.scan_matches(ring.astype(np.int64), 0, 4, np.zeros(2, np.int64), 2, 0) is NotImplemented
     assert KERNELS.scan_matches(ring, 0, 4, [0, 0], 2, 0) is NotImplemented
     assert KERNELS.continuations(ring, np.zeros(2, np.float64), 3, 4) is NotImplemented
-    assert KERNELS.pack_keys(ring, np.array([0, 8], np.int32), 4, 16) is NotImplemented  # a position past the end
+    assert KERNELS.pack_keys(ring, np.arange(1, 9, dtype=np.int32), 4, 16) is NotImplemented  # a position past the end
+    assert KERNELS.pack_keys(ring, np.array([0, 1], np.int32), 4, 16) is NotImplemented  # shorter than the tokens
     assert KERNELS.pack_keys(ring, np.zeros(8, np.int64), 4, 16) is NotImplemented
     assert KERNELS.pack_keys(ring, np.zeros(8, np.int32), 8, 16) is NotImplemented  # 128 bits a key
     assert KERNELS.store_lookup([1, 2], ring, 0, 0, None, None, 8, 4, 4, 16, 16) is NotImplemented
